@@ -1,0 +1,35 @@
+"""Argument checks shared by the public functions (shapes, dtypes, static args)."""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["MASK_DTYPES", "check_mask", "check_positive_int", "is_compiling"]
+
+MASK_DTYPES = frozenset({torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64})
+
+
+def is_compiling() -> bool:
+    """True while torch.compile or torch.export traces (host-side checks are skipped then)."""
+    return torch.compiler.is_compiling()
+
+
+def check_mask(attention_mask: torch.Tensor, *, name: str = "attention_mask") -> None:
+    """Raise ``ValueError`` unless ``attention_mask`` is a non-empty ``[batch, sequence]`` integer or bool tensor."""
+    if not isinstance(attention_mask, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(attention_mask).__name__}")
+    if attention_mask.ndim != 2:
+        raise ValueError(f"{name} must have shape [batch, sequence], got {tuple(attention_mask.shape)}")
+    if attention_mask.dtype not in MASK_DTYPES:
+        raise ValueError(f"{name} must hold integer or bool document ids, got dtype {attention_mask.dtype}")
+    if attention_mask.numel() == 0:
+        raise ValueError(f"{name} must not be empty, got shape {tuple(attention_mask.shape)}")
+
+
+def check_positive_int(value: object, name: str) -> int:
+    """Return ``value`` if it is a positive Python int, else raise."""
+    if isinstance(value, bool) or not isinstance(value, (int, torch.SymInt)):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if isinstance(value, int) and value < 1:
+        raise ValueError(f"{name} must be positive, got {value}")
+    return value

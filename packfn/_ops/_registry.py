@@ -1,0 +1,108 @@
+"""The op machinery: one decorator turns vectorized math into a packfn op.
+
+NOTE [One body, three roles]
+Every packfn op is written once, as a plain function of tensors built from
+vectorized aten calls (no Python loop over rows or documents, no host sync).
+:func:`packfn_op` registers that body in three roles:
+
+1. the eager kernel of ``torch.library.custom_op("packfn::<name>")``, so
+   ``torch.export`` keeps the op as one named ``packfn.<name>`` node;
+2. a Python-dispatcher ``CompositeImplicitAutograd`` kernel, which is only
+   consulted while tracing with the Python dispatcher on: AOTAutograd (the
+   front end of Inductor) and ``ExportedProgram.run_decompositions()``.
+   There the op decomposes into aten ops that Inductor fuses, and the
+   compiled code holds no call back into ``torch.ops.packfn``;
+3. nothing else: the fake (meta) function is written separately, by hand,
+   so output shapes are visibly a function of input shapes and static
+   arguments only.
+
+Data checks inside a body use ``torch._assert_async``: a plain exception in
+eager on the CPU, an asynchronous device assert on a GPU and in Inductor's
+generated code. They never read a value back to the host.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch._C import DispatchKey
+
+NAMESPACE = "packfn"
+
+__all__ = ["NAMESPACE", "assert_async", "packfn_op", "python_ints"]
+
+
+def packfn_op(
+    name: str,
+    *,
+    fake: Callable[..., Any],
+    backward: Callable[..., Any] | None = None,
+    setup_context: Callable[..., None] | None = None,
+) -> Callable[[Callable[..., Any]], Any]:
+    """Register ``math`` as the op ``packfn::<name>`` (see NOTE [One body, three roles]).
+
+    Args:
+        name: Op name inside the ``packfn`` namespace.
+        fake: Meta implementation; must compute output shapes from input
+            shapes and static arguments only.
+        backward: Optional ``register_autograd`` backward for differentiable
+            outputs.
+        setup_context: Saves what ``backward`` needs.
+
+    Returns:
+        A decorator that takes the typed math function and returns the
+        ``torch.library.CustomOpDef`` (callable like the function).
+    """
+
+    def register(math: Callable[..., Any]) -> Any:
+        op = torch.library.custom_op(f"{NAMESPACE}::{name}", mutates_args=())(math)
+        op.register_fake(fake)
+        overload = getattr(torch.ops.packfn, name).default
+        overload.py_impl(DispatchKey.CompositeImplicitAutograd)(math)
+        if backward is not None:
+            op.register_autograd(backward, setup_context=setup_context)
+        return op
+
+    return register
+
+
+def assert_async(condition: torch.Tensor, message: str) -> None:
+    """Check a 0-d bool tensor without a host sync; ``message`` names the broken rule."""
+    torch._assert_async(condition, message)
+
+
+# NOTE [Data-dependent sizes without graph breaks]
+# The drop-in API returns Python ints (``max_seqlen``) and tensors whose
+# length depends on data (``indices[:tokens]``). ``Tensor.item()`` graph-breaks
+# under torch.compile unless ``capture_scalar_outputs`` is set globally, so
+# instead ``_sizes`` returns an empty tensor of shape ``[*values, 0]``: in
+# eager its shape holds the values (one host sync for all of them); under
+# torch.compile / torch.export its fake carries fresh unbacked SymInts, and
+# its decomposition reads each value with ``.item()``, which AOTAutograd
+# turns into an unbacked size. Nothing is allocated: the tensor has no
+# elements.
+
+
+def _sizes_fake(values: torch.Tensor, bounds: list[int]) -> torch.Tensor:
+    """``[*values, 0]`` with one unbacked size in ``[0, bound]`` per value."""
+    ctx = torch.library.get_ctx()
+    sizes = [ctx.new_dynamic_size(min=0, max=bound) for bound in bounds]
+    return values.new_empty((*sizes, 0))
+
+
+@packfn_op("_sizes", fake=_sizes_fake)
+def _sizes(values: torch.Tensor, bounds: list[int]) -> torch.Tensor:
+    sizes = [values[i].item() for i in range(len(bounds))]
+    return values.new_empty((*sizes, 0))
+
+
+def python_ints(values: list[torch.Tensor], bounds: list[int]) -> tuple[int, ...]:
+    """Read 0-d integer tensors as Python ints (SymInts under compile), each in ``[0, bound]``.
+
+    Eager: one host sync for all values. Under torch.compile or torch.export:
+    unbacked SymInts, no graph break (NOTE [Data-dependent sizes without graph breaks]).
+    """
+    stacked = torch.stack([value.reshape(()).to(torch.int64) for value in values])
+    return tuple(_sizes(stacked, list(bounds)).shape[:-1])

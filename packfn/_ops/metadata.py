@@ -1,0 +1,223 @@
+"""Ops that parse packing masks into varlen metadata (shape-static).
+
+Packing format (used by every docstring in packfn): ``attention_mask`` is
+``[batch, sequence]``, integer or bool. ``0`` is padding; a positive value is
+the 1-based id of the document the token belongs to, local to its row. Ids
+never decrease along a row (padding may sit anywhere, even inside a
+document), and gaps in the ids are allowed. A bool mask, or ids that are all
+``1``, has one document per non-empty row. Example, ``batch=2, sequence=6``::
+
+    attention_mask = [[1, 1, 2, 2, 2, 0],      # documents of 2 and 3 tokens
+                      [1, 1, 1, 1, 0, 0]]      # one document of 4 tokens
+    flat token stream:   positions 0 1 2 3 4 | 6 7 8 9   (9 tokens)
+    cu_seqlens (flat):   [0, 2, 5, 9]
+    cu_seqlens (batch):  [[0, 2, 5], [0, 4, -1]]
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from packfn._ops._registry import assert_async, packfn_op
+
+__all__ = ["batch_metadata", "flatten_metadata", "mask_violations", "varlen_metadata"]
+
+MASK_RULES = (
+    "attention_mask must not contain negative document ids",
+    "attention_mask document ids must not decrease along a row "
+    "(an id reappears after a different id, or ids are out of order)",
+)
+"""Data rules of a packing mask, in the order of :func:`mask_violations`."""
+
+
+def _document_starts(attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Return ``(ids, valid, starts)``: int64 ids and bool ``[batch, sequence]`` flags.
+
+    ``starts`` marks the first token of each document. With ids that never
+    decrease along a row, the running maximum of a row is the id of the last
+    valid token so far, so a valid token starts a document exactly when its
+    id differs from the running maximum before it (padding inside a document
+    therefore does not split it).
+    """
+    ids = attention_mask.to(torch.int64)
+    valid = ids != 0
+    running = ids.cummax(dim=1).values
+    before = F.pad(running[:, :-1], (1, 0))
+    starts = valid & (ids != before)
+    return ids, valid, starts
+
+
+def mask_violations(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Bool ``[len(MASK_RULES)]``: which data rule of the mask is broken."""
+    ids = attention_mask.to(torch.int64)
+    before = F.pad(ids.cummax(dim=1).values[:, :-1], (1, 0))
+    negative = (ids < 0).any()
+    decreasing = ((ids != 0) & (ids < before)).any()
+    return torch.stack([negative, decreasing])
+
+
+def _check_mask(attention_mask: torch.Tensor, starts: torch.Tensor, max_documents: int) -> None:
+    violations = mask_violations(attention_mask)
+    for index, rule in enumerate(MASK_RULES):
+        assert_async(~violations[index], rule)
+    assert_async(
+        (starts.sum(dim=1) <= max_documents).all(),
+        f"a row of attention_mask holds more documents than max_documents={max_documents}",
+    )
+
+
+def _varlen_metadata_fake(attention_mask: torch.Tensor, max_documents: int):
+    """``indices [B*S]``, ``cu_seqlens [B*D+1]``, ``seqlens [B*D]``, three 0-d tensors."""
+    batch, sequence = attention_mask.shape
+    capacity = batch * max_documents
+    new = attention_mask.new_empty
+    return (
+        new(batch * sequence, dtype=torch.int64),
+        new(capacity + 1, dtype=torch.int32),
+        new(capacity, dtype=torch.int32),
+        new((), dtype=torch.int32),
+        new((), dtype=torch.int64),
+        new((), dtype=torch.int64),
+    )
+
+
+@packfn_op("varlen_metadata", fake=_varlen_metadata_fake)
+def varlen_metadata(
+    attention_mask: torch.Tensor, max_documents: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    _, valid, starts = _document_starts(attention_mask)
+    _check_mask(attention_mask, starts, max_documents)
+    batch, sequence = attention_mask.shape
+    valid = valid.reshape(-1)
+    positions = torch.arange(valid.numel(), device=valid.device)
+    valid_seen = valid.cumsum(0)  # valid tokens at or before each position
+    num_tokens = valid_seen[-1]
+    # Valid tokens keep their order at the front, padding follows in order:
+    # a permutation, so unpad and pad are a gather and its inverse.
+    destination = torch.where(valid, valid_seen - 1, num_tokens + positions - valid_seen)
+    indices = torch.empty_like(positions).scatter(0, destination, positions)
+    # Boundary k is the number of valid tokens before the start of document k
+    # (the total once k passes the last document): find each start with a
+    # binary search over the running count of starts.
+    starts_seen = starts.reshape(-1).cumsum(0)
+    targets = torch.arange(1, batch * max_documents + 2, device=valid.device)
+    start_positions = torch.searchsorted(starts_seen, targets)
+    tokens_before = torch.cat([valid_seen - valid.long(), num_tokens.reshape(1)])
+    cu_seqlens = tokens_before[start_positions].to(torch.int32)
+    seqlens = cu_seqlens[1:] - cu_seqlens[:-1]
+    return indices, cu_seqlens, seqlens, seqlens.max(), num_tokens.clone(), starts_seen[-1].clone()
+
+
+def _batch_metadata_fake(attention_mask: torch.Tensor, max_documents: int):
+    """``packed_token_indices [B, S]``, ``cu_seqlens [B, D+1]``, ``max_seqlen`` and ``num_documents [B]``."""
+    batch, sequence = attention_mask.shape
+    new = attention_mask.new_empty
+    return (
+        new(batch, sequence, dtype=torch.int64),
+        new(batch, max_documents + 1, dtype=torch.int32),
+        new((), dtype=torch.int32),
+        new(batch, dtype=torch.int64),
+    )
+
+
+@packfn_op("batch_metadata", fake=_batch_metadata_fake)
+def batch_metadata(
+    attention_mask: torch.Tensor, max_documents: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    _, valid, starts = _document_starts(attention_mask)
+    _check_mask(attention_mask, starts, max_documents)
+    batch, sequence = attention_mask.shape
+    columns = torch.arange(sequence, device=valid.device)
+    packed_token_indices = torch.where(valid, columns, -1)
+    valid_seen = valid.cumsum(1)
+    tokens_before = torch.cat([valid_seen - valid.long(), valid_seen[:, -1:]], dim=1)
+    starts_seen = starts.cumsum(1)
+    num_documents = starts_seen[:, -1]
+    targets = torch.arange(1, max_documents + 2, device=valid.device).expand(batch, -1).contiguous()
+    start_positions = torch.searchsorted(starts_seen, targets)
+    boundaries = tokens_before.gather(1, start_positions)
+    slots = torch.arange(max_documents + 1, device=valid.device)
+    used = slots <= num_documents.unsqueeze(1)
+    cu_seqlens = torch.where(used, boundaries, -1).to(torch.int32)
+    lengths = torch.where(used[:, 1:], boundaries[:, 1:] - boundaries[:, :-1], 0)
+    return packed_token_indices, cu_seqlens, lengths.max().to(torch.int32), num_documents
+
+
+FLATTEN_RULES = (
+    "cu_seqlens rows must start at zero",
+    "cu_seqlens rows must be monotonic",
+    "cu_seqlens rows must not hold a boundary after a -1 entry",
+    "the last boundary of each cu_seqlens row must equal its number of valid tokens",
+)
+"""Data rules of batch-major metadata, in the order of :func:`flatten_violations`."""
+
+
+def flatten_violations(packed_token_indices: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """Bool ``[len(FLATTEN_RULES)]``: which rule of batch-major metadata is broken."""
+    valid_tokens = packed_token_indices >= 0
+    valid_bounds = cu_seqlens >= 0
+    after_gap = valid_bounds & ((~valid_bounds).cumsum(dim=1) > 0)
+    pairs = valid_bounds[:, 1:] & valid_bounds[:, :-1]
+    decreasing = (cu_seqlens[:, 1:] < cu_seqlens[:, :-1]) & pairs
+    count = valid_bounds.sum(dim=1)
+    last = cu_seqlens.gather(1, (count - 1).clamp_min(0).unsqueeze(1)).squeeze(1)
+    return torch.stack(
+        [
+            ((count == 0) | (cu_seqlens[:, 0] != 0)).any(),
+            decreasing.any(),
+            after_gap.any(),
+            (last != valid_tokens.sum(dim=1)).any(),
+        ]
+    )
+
+
+def _flatten_metadata_fake(packed_token_indices: torch.Tensor, cu_seqlens: torch.Tensor):
+    """``indices [B*S]`` int64, ``cu_seqlens [B*D+1]`` in cu_seqlens' dtype, two 0-d counts."""
+    batch, sequence = packed_token_indices.shape
+    capacity = batch * (cu_seqlens.shape[1] - 1)
+    return (
+        packed_token_indices.new_empty(batch * sequence, dtype=torch.int64),
+        cu_seqlens.new_empty(capacity + 1),
+        cu_seqlens.new_empty((), dtype=torch.int64),
+        cu_seqlens.new_empty((), dtype=torch.int64),
+    )
+
+
+@packfn_op("flatten_metadata", fake=_flatten_metadata_fake)
+def flatten_metadata(
+    packed_token_indices: torch.Tensor, cu_seqlens: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    violations = flatten_violations(packed_token_indices, cu_seqlens)
+    for index, rule in enumerate(FLATTEN_RULES):
+        assert_async(~violations[index], rule)
+    batch, sequence = packed_token_indices.shape
+    documents = cu_seqlens.shape[1] - 1
+    device = packed_token_indices.device
+    # Token stream: valid tokens (their index values made flat) in row-major
+    # order, then the padding positions in order, as in varlen_metadata.
+    valid = (packed_token_indices >= 0).reshape(-1)
+    positions = torch.arange(valid.numel(), device=device)
+    row_offsets = torch.arange(batch, device=device).unsqueeze(1) * sequence
+    values = torch.where(valid, (packed_token_indices.long() + row_offsets).reshape(-1), positions)
+    valid_seen = valid.cumsum(0)
+    num_tokens = valid_seen[-1]
+    destination = torch.where(valid, valid_seen - 1, num_tokens + positions - valid_seen)
+    indices = torch.empty_like(positions).scatter(0, destination, values)
+    # Document k of the flat stream lives in the row whose running document
+    # count first exceeds k; its boundary is that row's token offset plus the
+    # row-local boundary.
+    row_documents = ((cu_seqlens >= 0).sum(dim=1) - 1).clamp_min(0)
+    documents_through = row_documents.cumsum(0)
+    row_tokens = cu_seqlens.long().gather(1, row_documents.unsqueeze(1)).squeeze(1)
+    tokens_through = row_tokens.cumsum(0)
+    slots = torch.arange(1, batch * documents + 1, device=device)
+    rows = torch.searchsorted(documents_through, slots).clamp_max(batch - 1)
+    documents_before = documents_through[rows] - row_documents[rows]
+    local = (slots - documents_before).clamp(0, documents)
+    inside = slots <= documents_through[-1]
+    boundary = tokens_through[rows] - row_tokens[rows] + cu_seqlens.long()[rows, local]
+    total = tokens_through[-1]
+    flat = torch.where(inside, boundary, total)
+    flat_cu_seqlens = torch.cat([flat.new_zeros(1), flat]).to(cu_seqlens.dtype)
+    return indices, flat_cu_seqlens, total.clone(), documents_through[-1].clone()

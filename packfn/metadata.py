@@ -1,0 +1,388 @@
+"""Packing masks to varlen metadata: the static API and the NeMo AutoModel drop-ins.
+
+The packing format is described once, in :mod:`packfn._ops.metadata`.
+
+Static API (:func:`varlen_metadata`, :func:`batch_metadata`,
+:func:`flatten_metadata`): every output shape follows from input shapes and
+static arguments, nothing syncs with the host, and a compiled graph never
+specializes on the mask's contents.
+
+Drop-in API (:func:`get_seqlens_in_batch`, :func:`get_unpad_data`,
+:func:`build_packed_sequence_metadata`,
+:func:`flatten_packed_sequence_metadata`): exactly the outputs of
+``nemo_automodel`` 0.7.0, built as the static op followed by one trim to the
+data-dependent size (a host sync in eager, an unbacked size under
+``torch.compile`` and ``torch.export``, never a graph break).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, TypedDict
+
+import torch
+
+from packfn._checks import check_mask, check_positive_int, is_compiling
+from packfn._ops import metadata as _ops
+from packfn._ops._registry import python_ints
+
+__all__ = [
+    "BatchMetadata",
+    "PackedSequenceMetadata",
+    "VarlenMetadata",
+    "batch_metadata",
+    "build_packed_sequence_metadata",
+    "flatten_metadata",
+    "flatten_packed_sequence_metadata",
+    "get_seqlens_in_batch",
+    "get_unpad_data",
+    "varlen_metadata",
+]
+
+
+class VarlenMetadata(NamedTuple):
+    """Flat varlen metadata with fixed capacity ``D`` documents per row.
+
+    Attributes:
+        indices: int64 ``[batch * sequence]``: positions in the flattened
+            mask, valid tokens first (in order), then padding (in order). A
+            permutation: ``x.flatten(0, 1)[indices]`` unpads, its inverse pads.
+        cu_seqlens: int32 ``[batch * D + 1]``: document boundaries over the
+            valid tokens, starting at 0, then ``num_tokens`` repeated (empty
+            trailing documents).
+        seqlens: int32 ``[batch * D]``: document lengths, then zeros.
+        max_seqlen: int32 0-d: the longest document (0 without documents).
+        num_tokens: int64 0-d: valid tokens.
+        num_documents: int64 0-d: documents.
+        max_seqlen_bound: Python int ``sequence``: a static upper bound of
+            ``max_seqlen`` for kernels that take an int.
+    """
+
+    indices: torch.Tensor
+    cu_seqlens: torch.Tensor
+    seqlens: torch.Tensor
+    max_seqlen: torch.Tensor
+    num_tokens: torch.Tensor
+    num_documents: torch.Tensor
+    max_seqlen_bound: int
+
+
+class BatchMetadata(NamedTuple):
+    """Batch-major varlen metadata with fixed capacity ``D`` documents per row.
+
+    Attributes:
+        packed_token_indices: int64 ``[batch, sequence]``: the column of each
+            valid token, -1 at padding.
+        cu_seqlens: int32 ``[batch, D + 1]``: row-local boundaries starting at
+            0, -1 after each row's last boundary (``[0, -1, ...]`` for an
+            all-padding row).
+        max_seqlen: int32 0-d: the longest document.
+        num_documents: int64 ``[batch]``: documents per row.
+        max_seqlen_bound: Python int ``sequence``.
+    """
+
+    packed_token_indices: torch.Tensor
+    cu_seqlens: torch.Tensor
+    max_seqlen: torch.Tensor
+    num_documents: torch.Tensor
+    max_seqlen_bound: int
+
+
+class PackedSequenceMetadata(TypedDict):
+    """Batch-major metadata that stays valid when a batch is split into microbatches."""
+
+    packed_token_indices: torch.Tensor
+    cu_seqlens: torch.Tensor
+    max_seqlen: int
+
+
+def _capacity(attention_mask: torch.Tensor, max_documents: int | None) -> int:
+    if max_documents is None:
+        return attention_mask.shape[1]
+    return check_positive_int(max_documents, "max_documents")
+
+
+def varlen_metadata(attention_mask: torch.Tensor, *, max_documents: int | None = None) -> VarlenMetadata:
+    """Build flat varlen metadata of fixed capacity, with no host sync.
+
+    Args:
+        attention_mask: ``[batch, sequence]`` integer or bool document ids
+            (see the packing format in :mod:`packfn._ops.metadata`).
+        max_documents: ``D``, the most documents any row holds. The default,
+            ``sequence``, is always safe but makes varlen kernels visit
+            ``batch * sequence`` mostly empty documents: pass your packer's
+            real cap.
+
+    Returns:
+        :class:`VarlenMetadata`. For the example mask (``batch=2``,
+        ``sequence=6``, ``D=2``): ``cu_seqlens = [0, 2, 5, 9, 9]``,
+        ``seqlens = [2, 3, 4, 0]``, ``indices = [0, 1, 2, 3, 4, 6, 7, 8, 9, 5, 10, 11]``.
+
+    Raises:
+        ValueError: the mask is not a non-empty ``[batch, sequence]`` integer
+            or bool tensor, or ``max_documents`` is not positive.
+        RuntimeError: (asynchronously on a GPU) negative ids, ids that
+            decrease along a row, or a row with more than ``D`` documents.
+    """
+    check_mask(attention_mask)
+    capacity = _capacity(attention_mask, max_documents)
+    outputs = _ops.varlen_metadata(attention_mask, capacity)
+    return VarlenMetadata(*outputs, max_seqlen_bound=attention_mask.shape[1])
+
+
+def batch_metadata(attention_mask: torch.Tensor, *, max_documents: int | None = None) -> BatchMetadata:
+    """Build batch-major varlen metadata of fixed capacity, with no host sync.
+
+    Args:
+        attention_mask: ``[batch, sequence]`` integer or bool document ids.
+        max_documents: ``D``, the most documents any row holds (default
+            ``sequence``).
+
+    Returns:
+        :class:`BatchMetadata`. For the example mask with ``D=2``:
+        ``cu_seqlens = [[0, 2, 5], [0, 4, -1]]``.
+
+    Raises:
+        ValueError: as :func:`varlen_metadata`.
+        RuntimeError: as :func:`varlen_metadata`.
+    """
+    check_mask(attention_mask)
+    capacity = _capacity(attention_mask, max_documents)
+    outputs = _ops.batch_metadata(attention_mask, capacity)
+    return BatchMetadata(*outputs, max_seqlen_bound=attention_mask.shape[1])
+
+
+def _check_metadata_shapes(
+    packed_token_indices: torch.Tensor, cu_seqlens: torch.Tensor, batch_size: int, sequence_length: int
+) -> None:
+    # Messages match nemo_automodel's flatten_packed_sequence_metadata.
+    if tuple(packed_token_indices.shape) != (batch_size, sequence_length) or cu_seqlens.ndim != 2:
+        raise ValueError(
+            "Packed sequence metadata does not match the current [batch, sequence] layout: "
+            f"indices={tuple(packed_token_indices.shape)}, cu_seqlens={tuple(cu_seqlens.shape)}, "
+            f"batch={batch_size}, sequence={sequence_length}."
+        )
+    if cu_seqlens.shape[0] != batch_size or cu_seqlens.shape[1] == 0:
+        raise ValueError(
+            "Packed sequence cumulative lengths must have the same batch dimension as token indices "
+            "and at least one boundary per row: "
+            f"indices={tuple(packed_token_indices.shape)}, cu_seqlens={tuple(cu_seqlens.shape)}."
+        )
+
+
+def _check_metadata_dtypes(packed_token_indices: torch.Tensor, cu_seqlens: torch.Tensor) -> None:
+    for name, tensor in (("packed_token_indices", packed_token_indices), ("cu_seqlens", cu_seqlens)):
+        if tensor.dtype.is_floating_point or tensor.dtype.is_complex or tensor.dtype == torch.bool:
+            raise ValueError(f"{name} must hold integers, got dtype {tensor.dtype}")
+
+
+def flatten_metadata(packed_token_indices: torch.Tensor, cu_seqlens: torch.Tensor) -> VarlenMetadata:
+    """Turn batch-major metadata into flat metadata of fixed capacity, with no host sync.
+
+    This is the model-entry step after a batch was split into microbatches.
+
+    Args:
+        packed_token_indices: ``[batch, sequence]`` integer row-local token
+            columns, negative at padding.
+        cu_seqlens: ``[batch, D + 1]`` integer row-local boundaries, -1 after
+            each row's last boundary.
+
+    Returns:
+        :class:`VarlenMetadata` with ``cu_seqlens`` ``[batch * D + 1]`` in
+        the dtype of ``cu_seqlens`` and ``indices`` holding the flattened
+        index values of the valid tokens first, then the padding positions.
+
+    Raises:
+        ValueError: shapes or dtypes that do not form batch-major metadata.
+        RuntimeError: (asynchronously on a GPU) rows that do not start at
+            zero, are not monotonic, hold a boundary after -1, or whose last
+            boundary differs from their count of valid tokens.
+    """
+    _check_metadata_dtypes(packed_token_indices, cu_seqlens)
+    if packed_token_indices.ndim != 2 or packed_token_indices.numel() == 0:
+        raise ValueError(
+            f"packed_token_indices must have non-empty shape [batch, sequence], got {tuple(packed_token_indices.shape)}"
+        )
+    batch, sequence = packed_token_indices.shape
+    _check_metadata_shapes(packed_token_indices, cu_seqlens, batch, sequence)
+    indices, flat_cu_seqlens, num_tokens, num_documents = _ops.flatten_metadata(packed_token_indices, cu_seqlens)
+    seqlens = flat_cu_seqlens[1:] - flat_cu_seqlens[:-1]
+    return VarlenMetadata(indices, flat_cu_seqlens, seqlens, seqlens.max(), num_tokens, num_documents, sequence)
+
+
+# ---------------------------------------------------------------- drop-ins
+
+
+def _raise_broken_rules(violations: torch.Tensor, rules: tuple[str, ...], error: str | None = None) -> None:
+    """Eager only: one host read of the rule flags, then a ``ValueError`` naming the first broken rule."""
+    for broken, rule in zip(violations.tolist(), rules, strict=True):
+        if broken:
+            raise ValueError(error or rule)
+
+
+def _check_dropin_mask(attention_mask: torch.Tensor) -> None:
+    if attention_mask.ndim != 2:
+        raise ValueError(f"attention_mask must have shape [batch, sequence], got {tuple(attention_mask.shape)}")
+    check_mask(attention_mask)
+    if not is_compiling():
+        _raise_broken_rules(_ops.mask_violations(attention_mask), _ops.MASK_RULES)
+
+
+def _check_has_tokens(attention_mask: torch.Tensor) -> None:
+    # Upstream raises this for an empty [batch, sequence] mask as well.
+    if attention_mask.ndim == 2 and attention_mask.numel() == 0:
+        raise ValueError("attention_mask must contain at least one valid token")
+
+
+def _no_valid_token(num_tokens: torch.Tensor) -> None:
+    if num_tokens == 0:
+        raise ValueError("attention_mask must contain at least one valid token")
+
+
+def get_seqlens_in_batch(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Return document lengths in batch-major, document-id order (drop-in).
+
+    Args:
+        attention_mask: ``[batch, sequence]`` integer document ids.
+
+    Returns:
+        ``[documents]`` lengths in the mask's dtype, documents of zero
+        tokens (gaps in ids) left out. For the example mask: ``[2, 3, 4]``.
+
+    Raises:
+        ValueError: a bool or non-integer mask, a mask that is not a
+            non-empty ``[batch, sequence]`` tensor, negative or decreasing
+            ids, or a length that does not fit the mask's dtype.
+    """
+    if isinstance(attention_mask, torch.Tensor) and attention_mask.dtype == torch.bool:
+        raise ValueError("get_seqlens_in_batch needs integer document ids, got a bool mask; use get_unpad_data")
+    _check_dropin_mask(attention_mask)
+    metadata = _ops.varlen_metadata(attention_mask, attention_mask.shape[1])
+    seqlens, num_documents = metadata[2], metadata[5]
+    bound = attention_mask.shape[1]
+    (documents, longest) = python_ints([num_documents, metadata[3]], [attention_mask.numel(), bound])
+    if not is_compiling() and longest > torch.iinfo(attention_mask.dtype).max:
+        raise ValueError(
+            f"a document of {longest} tokens does not fit attention_mask's dtype {attention_mask.dtype}"
+        )
+    return seqlens[:documents].to(attention_mask.dtype)
+
+
+def get_unpad_data(attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Return ``(indices, cu_seqlens, max_seqlen)`` for varlen attention (drop-in).
+
+    Args:
+        attention_mask: ``[batch, sequence]`` integer or bool document ids.
+            Every distinct id of a row is one document; a bool mask (or ids
+            all 1) has one document per non-empty row.
+
+    Returns:
+        ``indices``: int64 ``[tokens]`` into the flattened
+        ``[batch * sequence]`` mask; ``cu_seqlens``: int32
+        ``[documents + 1]`` starting at 0; ``max_seqlen``: Python int. For
+        the example mask: ``([0, 1, 2, 3, 4, 6, 7, 8, 9], [0, 2, 5, 9], 4)``.
+
+    Raises:
+        ValueError: the mask is not rank two ("shape"), has no valid token
+            ("at least one valid token"), is floating, or has negative or
+            decreasing ids.
+    """
+    _check_has_tokens(attention_mask)
+    _check_dropin_mask(attention_mask)
+    batch, sequence = attention_mask.shape
+    indices, cu_seqlens, _, max_seqlen, num_tokens, num_documents = _ops.varlen_metadata(attention_mask, sequence)
+    tokens, documents, longest = python_ints(
+        [num_tokens, num_documents, max_seqlen], [batch * sequence, batch * sequence, sequence]
+    )
+    if not is_compiling():
+        _no_valid_token(tokens)
+    torch._check(tokens >= 1)
+    return indices[:tokens], cu_seqlens[: documents + 1], longest
+
+
+def build_packed_sequence_metadata(attention_mask: torch.Tensor) -> PackedSequenceMetadata:
+    """Return batch-major metadata that survives microbatch splits (drop-in).
+
+    Args:
+        attention_mask: ``[batch, sequence]`` integer or bool document ids.
+
+    Returns:
+        A dict with ``packed_token_indices`` int64 ``[batch, sequence]`` (the
+        column, -1 at padding), ``cu_seqlens`` int32
+        ``[batch, max(1, mask.max()) + 1]`` (row-local, -1 after each row's
+        last boundary) and ``max_seqlen`` (Python int). For the example
+        mask: ``cu_seqlens = [[0, 2, 5], [0, 4, -1]]``.
+
+    Raises:
+        ValueError: as :func:`get_unpad_data`.
+    """
+    _check_has_tokens(attention_mask)
+    _check_dropin_mask(attention_mask)
+    batch, sequence = attention_mask.shape
+    packed_token_indices, cu_seqlens, max_seqlen, _ = _ops.batch_metadata(attention_mask, sequence)
+    id_bound = int(torch.iinfo(attention_mask.dtype).max) if attention_mask.dtype != torch.bool else 1
+    valid_tokens = (attention_mask != 0).sum()
+    largest_id = attention_mask.max().to(torch.int64).clamp_min(1)
+    tokens, width, longest = python_ints([valid_tokens, largest_id, max_seqlen], [batch * sequence, id_bound, sequence])
+    if not is_compiling():
+        _no_valid_token(tokens)
+    # Upstream sizes the rows by the largest id, which gaps in ids can push
+    # past the static capacity: pad with -1, then cut to the upstream width.
+    filler = cu_seqlens.new_full((batch, width + 1), -1)
+    cu_seqlens = torch.cat([cu_seqlens, filler], dim=1)[:, : width + 1]
+    return {"packed_token_indices": packed_token_indices, "cu_seqlens": cu_seqlens, "max_seqlen": longest}
+
+
+_FLAT_METADATA_ERROR = "Flat packed sequence metadata must start at zero and cover every token index"
+_BATCH_METADATA_ERROR = "Each packed sequence metadata row must start at zero, be monotonic, and cover its valid tokens"
+
+
+def flatten_packed_sequence_metadata(
+    packed_token_indices: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    *,
+    batch_size: int,
+    sequence_length: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Normalize batch-major (or already flat) metadata to one flat token stream (drop-in).
+
+    Args:
+        packed_token_indices: ``[batch, sequence]`` row-local columns with -1
+            at padding, or flat ``[tokens]`` indices into ``[batch * sequence]``.
+        cu_seqlens: ``[batch, max_documents + 1]`` row-local boundaries with
+            -1 after each row's last, or flat ``[documents + 1]``.
+        batch_size: Batch size of the padded layout.
+        sequence_length: Sequence length of the padded layout.
+
+    Returns:
+        ``(indices, cu_seqlens)``: int64 ``[tokens]`` into
+        ``[batch * sequence]`` and ``[documents + 1]`` boundaries in the
+        dtype of ``cu_seqlens``. Flat inputs come back as they are (indices
+        as int64).
+
+    Raises:
+        ValueError: inconsistent layouts or boundaries, with upstream's messages.
+    """
+    _check_metadata_dtypes(packed_token_indices, cu_seqlens)
+    if packed_token_indices.ndim == 1 and cu_seqlens.ndim == 1:
+        if cu_seqlens.numel() < 2:
+            raise ValueError(_FLAT_METADATA_ERROR)
+        if not is_compiling():
+            broken = (
+                (cu_seqlens[0] != 0)
+                | (cu_seqlens[-1] != packed_token_indices.numel())
+                | (cu_seqlens[1:] < cu_seqlens[:-1]).any()
+            )
+            if bool(broken):
+                raise ValueError(_FLAT_METADATA_ERROR)
+        return packed_token_indices.to(torch.long), cu_seqlens
+    _check_metadata_shapes(packed_token_indices, cu_seqlens, batch_size, sequence_length)
+    if not is_compiling():
+        violations = _ops.flatten_violations(packed_token_indices, cu_seqlens)
+        _raise_broken_rules(violations, _ops.FLATTEN_RULES, _BATCH_METADATA_ERROR)
+    if packed_token_indices.numel() == 0:
+        raise ValueError(_BATCH_METADATA_ERROR)
+    indices, flat_cu_seqlens, num_tokens, num_documents = _ops.flatten_metadata(packed_token_indices, cu_seqlens)
+    tokens, documents = python_ints([num_tokens, num_documents], [packed_token_indices.numel(), cu_seqlens.numel()])
+    if not is_compiling() and documents == 0:
+        raise ValueError(_BATCH_METADATA_ERROR)
+    return indices[:tokens], flat_cu_seqlens[: documents + 1]
