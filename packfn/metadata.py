@@ -261,9 +261,7 @@ def get_seqlens_in_batch(attention_mask: torch.Tensor) -> torch.Tensor:
     bound = attention_mask.shape[1]
     (documents, longest) = python_ints([num_documents, metadata[3]], [attention_mask.numel(), bound])
     if not is_compiling() and longest > torch.iinfo(attention_mask.dtype).max:
-        raise ValueError(
-            f"a document of {longest} tokens does not fit attention_mask's dtype {attention_mask.dtype}"
-        )
+        raise ValueError(f"a document of {longest} tokens does not fit attention_mask's dtype {attention_mask.dtype}")
     return seqlens[:documents].to(attention_mask.dtype)
 
 

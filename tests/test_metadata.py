@@ -1,0 +1,349 @@
+"""Mask parsing: packfn's drop-ins against nemo_automodel 0.7.0, and the static ops' fill rules."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+from nemo_automodel.components.datasets import packing as upstream
+from nemo_automodel.components.models.common import packing as upstream_models
+from strategies import packing_masks
+
+import packfn
+
+SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+EXAMPLE = torch.tensor([[1, 1, 2, 2, 2, 0], [1, 1, 1, 1, 0, 0]])
+
+
+def assert_same(actual, expected) -> None:
+    """Equal values, dtypes, shapes and Python types, recursively."""
+    assert type(actual) is type(expected), (type(actual), type(expected))
+    if isinstance(expected, torch.Tensor):
+        assert actual.dtype == expected.dtype
+        assert actual.shape == expected.shape
+        assert actual.device == expected.device
+        assert torch.equal(actual, expected), (actual, expected)
+    elif isinstance(expected, dict):
+        assert list(actual) == list(expected)
+        for key in expected:
+            assert_same(actual[key], expected[key])
+    elif isinstance(expected, (tuple, list)):
+        assert len(actual) == len(expected)
+        for left, right in zip(actual, expected, strict=True):
+            assert_same(left, right)
+    else:
+        assert actual == expected
+
+
+def outcome(function, *args, **kwargs):
+    """``("ok", result)`` or ``("error", type, message)``: what a call did."""
+    try:
+        return ("ok", function(*args, **kwargs))
+    except Exception as error:  # noqa: BLE001 - the oracle's exception is the thing compared
+        return ("error", type(error), str(error))
+
+
+def assert_same_outcome(ours, theirs) -> None:
+    assert ours[0] == theirs[0], (ours, theirs)
+    if ours[0] == "ok":
+        assert_same(ours[1], theirs[1])
+    else:
+        assert ours[1:] == theirs[1:]
+
+
+def fits_dtype(mask: torch.Tensor) -> bool:
+    """Whether every document length fits the mask's dtype (upstream wraps silently otherwise)."""
+    if mask.dtype == torch.bool:
+        return True
+    lengths = [(mask == value).sum().item() for value in mask.unique().tolist() if value]
+    return max(lengths, default=0) <= torch.iinfo(mask.dtype).max
+
+
+# ------------------------------------------------------------------ drop-ins
+
+
+@SETTINGS
+@given(packing_masks())
+def test_get_unpad_data_matches_upstream(mask):
+    assume(fits_dtype(mask))
+    before = mask.clone()
+    assert_same_outcome(outcome(packfn.get_unpad_data, mask), outcome(upstream.get_unpad_data, mask))
+    assert torch.equal(mask, before)
+
+
+@SETTINGS
+@given(packing_masks())
+def test_build_packed_sequence_metadata_matches_upstream(mask):
+    assume(fits_dtype(mask))
+    before = mask.clone()
+    ours = outcome(packfn.build_packed_sequence_metadata, mask)
+    assert_same_outcome(ours, outcome(upstream.build_packed_sequence_metadata, mask))
+    assert torch.equal(mask, before)
+
+
+@SETTINGS
+@given(packing_masks(dtypes=(torch.uint8, torch.int32, torch.int64)))
+def test_get_seqlens_in_batch_matches_upstream(mask):
+    assume(fits_dtype(mask))
+    assert_same(packfn.get_seqlens_in_batch(mask), upstream.get_seqlens_in_batch(mask))
+
+
+@SETTINGS
+@given(packing_masks())
+def test_flatten_packed_sequence_metadata_matches_upstream_on_batch_metadata(mask):
+    assume(fits_dtype(mask) and mask.any())
+    metadata = upstream.build_packed_sequence_metadata(mask)
+    batch, sequence = mask.shape
+    arguments = (metadata["packed_token_indices"], metadata["cu_seqlens"])
+    keywords = {"batch_size": batch, "sequence_length": sequence}
+    ours = packfn.flatten_packed_sequence_metadata(*arguments, **keywords)
+    assert_same(ours, upstream_models.flatten_packed_sequence_metadata(*arguments, **keywords))
+    # The flat result agrees with get_unpad_data's stream.
+    indices, cu_seqlens, _ = upstream.get_unpad_data(mask)
+    assert torch.equal(ours[0], indices) and torch.equal(ours[1], cu_seqlens)
+
+
+@SETTINGS
+@given(packing_masks(max_batch=3, max_sequence=12))
+def test_flatten_packed_sequence_metadata_accepts_flat_metadata(mask):
+    assume(fits_dtype(mask) and mask.any())
+    indices, cu_seqlens, _ = upstream.get_unpad_data(mask)
+    keywords = {"batch_size": mask.shape[0], "sequence_length": mask.shape[1]}
+    ours = outcome(packfn.flatten_packed_sequence_metadata, indices.int(), cu_seqlens, **keywords)
+    theirs = outcome(upstream_models.flatten_packed_sequence_metadata, indices.int(), cu_seqlens, **keywords)
+    assert_same_outcome(ours, theirs)
+
+
+small_ints = st.integers(-2, 6)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.integers(1, 3),
+    st.integers(1, 4),
+    st.integers(1, 4),
+    st.data(),
+)
+def test_flatten_packed_sequence_metadata_rejects_what_upstream_rejects(batch, sequence, width, data):
+    """Arbitrary (mostly malformed) metadata: the same result or the same ValueError as upstream."""
+    indices = torch.tensor(
+        data.draw(st.lists(st.sampled_from([-1, 0, 1, 2]), min_size=batch * sequence, max_size=batch * sequence))
+    ).reshape(batch, sequence)
+    bounds = torch.tensor(
+        data.draw(st.lists(small_ints, min_size=batch * width, max_size=batch * width)), dtype=torch.int32
+    ).reshape(batch, width)
+    shape_batch = data.draw(st.sampled_from([batch, batch + 1]))
+    keywords = {"batch_size": shape_batch, "sequence_length": sequence}
+    ours = outcome(packfn.flatten_packed_sequence_metadata, indices, bounds, **keywords)
+    theirs = outcome(upstream_models.flatten_packed_sequence_metadata, indices, bounds, **keywords)
+    assert_same_outcome(ours, theirs)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(-1, 6), min_size=0, max_size=5), st.integers(0, 6))
+def test_flatten_packed_sequence_metadata_flat_errors_match_upstream(bounds, tokens):
+    indices = torch.arange(tokens)
+    cu_seqlens = torch.tensor(bounds, dtype=torch.int32)
+    keywords = {"batch_size": 1, "sequence_length": 8}
+    ours = outcome(packfn.flatten_packed_sequence_metadata, indices, cu_seqlens, **keywords)
+    theirs = outcome(upstream_models.flatten_packed_sequence_metadata, indices, cu_seqlens, **keywords)
+    assert_same_outcome(ours, theirs)
+
+
+EDGE_MASKS = {
+    "example": EXAMPLE,
+    "one_token_documents": torch.tensor([[1, 2, 3, 4], [1, 0, 2, 0]]),
+    "all_padding_row": torch.tensor([[0, 0, 0], [1, 1, 2]]),
+    "padding_inside_document": torch.tensor([[1, 1, 0, 1, 2, 0, 2]]),
+    "gaps_in_ids": torch.tensor([[2, 2, 5, 9, 9, 0]]),
+    "id_larger_than_sequence": torch.tensor([[7]]),
+    "padding_first": torch.tensor([[0, 0, 1, 1, 3]]),
+    "int32": EXAMPLE.int(),
+    "uint8": EXAMPLE.to(torch.uint8),
+    "int8": EXAMPLE.to(torch.int8),
+    "bool": EXAMPLE > 0,
+    "ids_all_one": torch.tensor([[1, 1, 0], [0, 1, 1]]),
+    "full_rows": torch.ones(3, 5, dtype=torch.int64),
+}
+
+
+@pytest.mark.parametrize("name", sorted(EDGE_MASKS))
+def test_edge_masks_match_upstream(name):
+    mask = EDGE_MASKS[name]
+    assert_same(packfn.get_unpad_data(mask), upstream.get_unpad_data(mask))
+    assert_same(packfn.build_packed_sequence_metadata(mask), upstream.build_packed_sequence_metadata(mask))
+    if mask.dtype != torch.bool:
+        assert_same(packfn.get_seqlens_in_batch(mask), upstream.get_seqlens_in_batch(mask))
+
+
+def test_get_seqlens_in_batch_keeps_all_padding_empty():
+    mask = torch.zeros(2, 4, dtype=torch.int32)
+    assert_same(packfn.get_seqlens_in_batch(mask), upstream.get_seqlens_in_batch(mask))
+
+
+@pytest.mark.parametrize("function", [packfn.get_unpad_data, packfn.build_packed_sequence_metadata])
+@pytest.mark.parametrize(
+    "mask",
+    [torch.zeros(2, 3, dtype=torch.int64), torch.zeros(2, 0, dtype=torch.int64), torch.zeros(0, 3, dtype=torch.bool)],
+    ids=["all_padding", "no_columns", "no_rows"],
+)
+def test_no_valid_token_message_matches_upstream(function, mask):
+    upstream_function = getattr(upstream, function.__name__)
+    assert_same_outcome(outcome(function, mask), outcome(upstream_function, mask))
+
+
+@pytest.mark.parametrize("function", [packfn.get_unpad_data, packfn.build_packed_sequence_metadata])
+@pytest.mark.parametrize("shape", [(6,), (1, 2, 3)])
+def test_wrong_rank_message_matches_upstream(function, shape):
+    mask = torch.ones(shape, dtype=torch.int64)
+    ours, theirs = outcome(function, mask), outcome(getattr(upstream, function.__name__), mask)
+    assert_same_outcome(ours, theirs)
+    assert "shape" in ours[2]
+
+
+# ---------------------------------------------------- deliberate differences
+
+INCONSISTENT = {
+    "id_reappears_after_another": (torch.tensor([[1, 1, 2, 1]]), "must not decrease"),
+    "ids_out_of_order": (torch.tensor([[2, 2, 1, 0]]), "must not decrease"),
+    "negative_id": (torch.tensor([[1, -1, 0]]), "negative"),
+    "floating_mask": (torch.tensor([[1.0, 1.0, 0.0]]), "integer or bool"),
+}
+DROP_INS = [packfn.get_unpad_data, packfn.build_packed_sequence_metadata, packfn.get_seqlens_in_batch]
+
+
+@pytest.mark.parametrize("name", sorted(INCONSISTENT))
+@pytest.mark.parametrize("function", DROP_INS, ids=lambda function: function.__name__)
+def test_drop_ins_reject_masks_upstream_gets_wrong(name, function):
+    mask, message = INCONSISTENT[name]
+    before = mask.clone()
+    with pytest.raises(ValueError, match=message):
+        function(mask)
+    assert torch.equal(mask, before)
+
+
+def test_get_seqlens_in_batch_rejects_bool_mask():
+    with pytest.raises(ValueError, match="bool mask"):
+        packfn.get_seqlens_in_batch(EXAMPLE > 0)
+
+
+def test_get_seqlens_in_batch_rejects_lengths_that_overflow_the_dtype():
+    mask = torch.ones(1, 300, dtype=torch.uint8)
+    mask[0, -1] = 2  # more than one document: upstream's counting path, which wraps 299 to 43
+    assert upstream.get_seqlens_in_batch(mask).tolist() == [299 % 256, 1]
+    with pytest.raises(ValueError, match="does not fit"):
+        packfn.get_seqlens_in_batch(mask)
+
+
+@pytest.mark.parametrize("name", ["id_reappears_after_another", "ids_out_of_order", "negative_id"])
+@pytest.mark.parametrize("function", [packfn.varlen_metadata, packfn.batch_metadata])
+def test_static_ops_assert_on_inconsistent_masks(name, function):
+    mask, message = INCONSISTENT[name]
+    with pytest.raises(RuntimeError, match=message):
+        function(mask)
+
+
+@pytest.mark.parametrize("function", [packfn.varlen_metadata, packfn.batch_metadata])
+def test_static_ops_assert_when_a_row_exceeds_max_documents(function):
+    with pytest.raises(RuntimeError, match=re.escape("more documents than max_documents=1")):
+        function(EXAMPLE, max_documents=1)
+
+
+@pytest.mark.parametrize("function", [packfn.varlen_metadata, packfn.batch_metadata])
+@pytest.mark.parametrize(
+    ("mask", "keywords", "error", "message"),
+    [
+        (torch.ones(4, dtype=torch.int64), {}, ValueError, "shape"),
+        (torch.ones(2, 0, dtype=torch.int64), {}, ValueError, "empty"),
+        (torch.ones(2, 2), {}, ValueError, "integer or bool"),
+        (EXAMPLE, {"max_documents": 0}, ValueError, "positive"),
+        (EXAMPLE, {"max_documents": 2.0}, TypeError, "int"),
+        ([[1, 0]], {}, TypeError, "torch.Tensor"),
+    ],
+    ids=["rank_one", "empty", "floating", "zero_capacity", "float_capacity", "list"],
+)
+def test_static_ops_reject_bad_arguments(function, mask, keywords, error, message):
+    with pytest.raises(error, match=message):
+        function(mask, **keywords)
+
+
+@pytest.mark.parametrize(
+    ("indices", "bounds", "message"),
+    [
+        (EXAMPLE.clone(), torch.tensor([[1, 2, 5], [0, 4, -1]]), "start at zero"),
+        (torch.tensor([[0, 1, 2, -1]]), torch.tensor([[0, 2, 1, 3]]), "monotonic"),
+        (torch.tensor([[0, 1, 2, -1]]), torch.tensor([[0, -1, 3]]), "after a -1"),
+        (torch.tensor([[0, 1, 2, -1]]), torch.tensor([[0, 2, 4]]), "last boundary"),
+    ],
+    ids=["nonzero_start", "not_monotonic", "boundary_after_padding", "wrong_total"],
+)
+def test_flatten_metadata_asserts_on_malformed_metadata(indices, bounds, message):
+    with pytest.raises(RuntimeError, match=message):
+        packfn.flatten_metadata(indices, bounds)
+
+
+# ------------------------------------------------------------ static fills
+
+
+@SETTINGS
+@given(packing_masks(), st.integers(0, 3))
+def test_varlen_metadata_prefix_matches_upstream_and_tail_repeats_total(mask, extra_capacity):
+    assume(fits_dtype(mask) and mask.any())
+    indices, cu_seqlens, max_seqlen = upstream.get_unpad_data(mask)
+    documents, tokens = cu_seqlens.numel() - 1, indices.numel()
+    batch, sequence = mask.shape
+    per_row = max(1, max(len(packfn.get_unpad_data(row[None])[1]) - 1 if row.any() else 0 for row in mask))
+    capacity = per_row + extra_capacity
+    result = packfn.varlen_metadata(mask, max_documents=capacity)
+    assert result.cu_seqlens.shape == (batch * capacity + 1,) and result.cu_seqlens.dtype == torch.int32
+    assert torch.equal(result.cu_seqlens[: documents + 1], cu_seqlens)
+    assert (result.cu_seqlens[documents + 1 :] == tokens).all()
+    assert torch.equal(result.seqlens[:documents], (cu_seqlens[1:] - cu_seqlens[:-1]))
+    assert (result.seqlens[documents:] == 0).all()
+    assert torch.equal(result.indices[:tokens], indices)
+    padding = (~mask.bool()).flatten().nonzero().flatten()
+    assert torch.equal(result.indices[tokens:], padding)
+    assert result.max_seqlen.item() == max_seqlen and result.max_seqlen.shape == ()
+    assert result.num_tokens.item() == tokens and result.num_documents.item() == documents
+    assert result.max_seqlen_bound == sequence
+
+
+@SETTINGS
+@given(packing_masks())
+def test_batch_metadata_matches_upstream_up_to_its_width(mask):
+    assume(fits_dtype(mask) and mask.any())
+    expected = upstream.build_packed_sequence_metadata(mask)
+    result = packfn.batch_metadata(mask)
+    width = expected["cu_seqlens"].shape[1]
+    assert result.cu_seqlens.shape == (mask.shape[0], mask.shape[1] + 1)
+    common = min(width, result.cu_seqlens.shape[1])
+    assert torch.equal(result.cu_seqlens[:, :common], expected["cu_seqlens"][:, :common])
+    assert (result.cu_seqlens[:, common:] == -1).all()
+    assert torch.equal(result.packed_token_indices, expected["packed_token_indices"])
+    assert result.max_seqlen.item() == expected["max_seqlen"]
+    assert torch.equal(result.num_documents, ((result.cu_seqlens >= 0).sum(1) - 1))
+
+
+@SETTINGS
+@given(packing_masks())
+def test_flatten_metadata_equals_varlen_metadata(mask):
+    assume(fits_dtype(mask))
+    batch = packfn.batch_metadata(mask)
+    flat = packfn.flatten_metadata(batch.packed_token_indices, batch.cu_seqlens)
+    direct = packfn.varlen_metadata(mask)
+    for field in ("indices", "cu_seqlens", "seqlens", "max_seqlen", "num_tokens", "num_documents"):
+        assert torch.equal(getattr(flat, field), getattr(direct, field)), field
+
+
+def test_documented_example():
+    flat = packfn.varlen_metadata(EXAMPLE, max_documents=2)
+    assert flat.cu_seqlens.tolist() == [0, 2, 5, 9, 9]
+    assert flat.seqlens.tolist() == [2, 3, 4, 0]
+    assert flat.indices.tolist() == [0, 1, 2, 3, 4, 6, 7, 8, 9, 5, 10, 11]
+    assert packfn.batch_metadata(EXAMPLE, max_documents=2).cu_seqlens.tolist() == [[0, 2, 5], [0, 4, -1]]
+    indices, cu_seqlens, max_seqlen = packfn.get_unpad_data(EXAMPLE)
+    assert indices.tolist() == [0, 1, 2, 3, 4, 6, 7, 8, 9] and cu_seqlens.tolist() == [0, 2, 5, 9]
+    assert max_seqlen == 4 and type(max_seqlen) is int
