@@ -1,0 +1,242 @@
+"""Ops that turn a document-id mask into attention inputs, and move activations in and out of varlen order.
+
+The packing format is the one of :mod:`packfn._ops.metadata`. Every op here
+checks the mask's data rules (:data:`packfn._ops.metadata.MASK_RULES`) with
+sync-free asserts, so a token attends exactly the earlier tokens of its row
+that carry the same id: padding (id 0) attends nothing and is attended by
+nothing, and padding inside a document does not split it (except in the
+physical varlen boundaries, which follow upstream and cut at every id change).
+
+NOTE [Unpad and pad are each other's backward]
+``unpad`` and ``pad`` are both gathers driven by the varlen permutation
+``indices`` (valid positions ascending, then padding positions ascending;
+see :class:`packfn.VarlenMetadata`) and the count ``num_tokens`` of valid
+tokens:
+
+    unpad(x)[i] = x.flatten(0, 1)[indices[i]]   if i < num_tokens else 0
+    pad(y)[j]   = y[inverse[j]]                 if inverse[j] < num_tokens else 0
+
+As linear maps they are transposes of each other, so the backward of one is
+the other applied to the gradient, and both directions are deterministic
+gathers with no scatter and no atomic add. The zeros matter: varlen kernels
+leave rows past the last boundary uninitialized, so ``pad`` must write exact
+zeros at padding positions whatever those rows hold (a NaN there must not
+leak), and the gradient of a padding token through ``unpad`` is zero.
+
+``pad`` needs the inverse permutation. Scattering ``arange`` through
+``indices`` would be an indirect store; instead the inverse is read off the
+structure of ``indices`` with a binary search (a valid position ``j`` is the
+``k``-th valid token where ``k`` counts the valid positions before it, a
+padding position is ``num_tokens + j - k``), and checked: ``indices`` gathered
+by the inverse must give back every position.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from packfn._ops._registry import assert_async, packfn_op
+from packfn._ops.metadata import MASK_RULES, mask_violations
+
+__all__ = ["block_causal_mask", "document_kv_blocks", "pad", "physical_varlen_metadata", "unpad"]
+
+
+def _check_mask_rules(document_ids: torch.Tensor) -> None:
+    violations = mask_violations(document_ids)
+    for index, rule in enumerate(MASK_RULES):
+        assert_async(~violations[index], rule)
+
+
+# ------------------------------------------------------------- block causal
+
+
+def _block_causal_mask_fake(document_ids: torch.Tensor) -> torch.Tensor:
+    """Bool ``[batch, 1, sequence, sequence]``."""
+    batch, sequence = document_ids.shape
+    return document_ids.new_empty(batch, 1, sequence, sequence, dtype=torch.bool)
+
+
+@packfn_op("block_causal_mask", fake=_block_causal_mask_fake)
+def block_causal_mask(document_ids: torch.Tensor) -> torch.Tensor:
+    _check_mask_rules(document_ids)
+    ids = document_ids.to(torch.int64)
+    positions = torch.arange(ids.shape[1], device=ids.device)
+    causal = positions.unsqueeze(1) >= positions.unsqueeze(0)
+    # Same id and a valid query imply a valid key.
+    same = (ids.unsqueeze(2) == ids.unsqueeze(1)) & (ids != 0).unsqueeze(2)
+    return (same & causal).unsqueeze(1)
+
+
+# ------------------------------------------------------------ physical varlen
+
+
+def _physical_varlen_metadata_fake(document_ids: torch.Tensor):
+    """``cu_seqlens [batch*sequence + 1]`` int32, ``max_seqlen`` int32 0-d, ``num_segments`` int64 0-d."""
+    batch, sequence = document_ids.shape
+    new = document_ids.new_empty
+    return new(batch * sequence + 1, dtype=torch.int32), new((), dtype=torch.int32), new((), dtype=torch.int64)
+
+
+@packfn_op("physical_varlen_metadata", fake=_physical_varlen_metadata_fake)
+def physical_varlen_metadata(document_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    _check_mask_rules(document_ids)
+    sequence = document_ids.shape[1]
+    flat = document_ids.to(torch.int64).reshape(-1)
+    positions = torch.arange(flat.numel(), device=flat.device)
+    # A segment starts at every row start (a document that fills its row must
+    # not merge with the next row's first one once flattened) and wherever the
+    # id changes, so padding runs are segments of their own.
+    starts = (positions % sequence == 0) | (flat != F.pad(flat[:-1], (1, 0)))
+    starts_seen = starts.cumsum(0)
+    # Boundary k is the position of the (k+1)-th start, the total once k
+    # passes the last segment (empty trailing segments).
+    targets = torch.arange(1, flat.numel() + 2, device=flat.device)
+    cu_seqlens = torch.searchsorted(starts_seen, targets).to(torch.int32)
+    max_seqlen = (cu_seqlens[1:] - cu_seqlens[:-1]).max()
+    return cu_seqlens, max_seqlen, starts_seen[-1].clone()
+
+
+# ------------------------------------------------------------ flex attention
+
+
+def _document_kv_blocks_fake(document_ids: torch.Tensor, block_size: int, window: int | None, separate_full: bool):
+    """int32 ``kv_num_blocks [B, 1, Q]``, ``kv_indices [B, 1, Q, K]``, and the same two for full blocks."""
+    batch, sequence = document_ids.shape
+    blocks = -(-sequence // block_size)
+    new = document_ids.new_empty
+    counts, indices = (batch, 1, blocks), (batch, 1, blocks, blocks)
+    return (
+        new(counts, dtype=torch.int32),
+        new(indices, dtype=torch.int32),
+        new(counts, dtype=torch.int32),
+        new(indices, dtype=torch.int32),
+    )
+
+
+def _ordered(dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block counts and block indices (present blocks ascending, then absent ones), as create_block_mask orders them."""
+    dense = dense.to(torch.int32)
+    indices = torch.argsort(dense, dim=-1, descending=True, stable=True)
+    return dense.sum(dim=-1, dtype=torch.int32), indices.to(torch.int32)
+
+
+@packfn_op("document_kv_blocks", fake=_document_kv_blocks_fake)
+def document_kv_blocks(
+    document_ids: torch.Tensor, block_size: int, window: int | None, separate_full: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    # Ids never decrease along the valid tokens of a row, so a key block j
+    # strictly before query block i shares a document with it only through
+    # its last id, which must be the first id of block i; the nearest pair is
+    # (last valid key of j, first valid query of i), which decides the window.
+    # The diagonal block holds each valid query attending itself.
+    _check_mask_rules(document_ids)
+    batch, sequence = document_ids.shape
+    blocks = -(-sequence // block_size)
+    ids = F.pad(document_ids.to(torch.int64), (0, blocks * block_size - sequence))
+    ids = ids.reshape(batch, blocks, block_size)
+    valid = ids != 0
+    positions = torch.arange(blocks * block_size, device=ids.device).reshape(blocks, block_size)
+    past_end = blocks * block_size + 1
+    last_id = ids.amax(dim=2)  # 0 for a block without a valid token
+    first_id = torch.where(valid, ids, past_end).amin(dim=2)
+    last_valid = torch.where(valid, positions, -past_end).amax(dim=2)
+    first_valid = torch.where(valid, positions, past_end).amin(dim=2)
+    # A full block: every slot valid and one id throughout (slots past the
+    # sequence are padding, so an edge block is never full, as in create_block_mask).
+    uniform = valid.all(dim=2) & (first_id == last_id)
+
+    q_block = torch.arange(blocks, device=ids.device).unsqueeze(1)
+    kv_block = torch.arange(blocks, device=ids.device).unsqueeze(0)
+    shared = last_id.unsqueeze(1) == first_id.unsqueeze(2)  # [batch, q block, kv block]
+    before = (kv_block < q_block).unsqueeze(0)
+    diagonal = (kv_block == q_block).unsqueeze(0) & valid.any(dim=2).unsqueeze(2)
+    # Every key of block j precedes every query of block i (causal throughout).
+    full_causal = (kv_block + 1) * block_size <= q_block * block_size + 1
+    full = uniform.unsqueeze(2) & uniform.unsqueeze(1) & shared & full_causal.unsqueeze(0)
+    reach = before & shared
+    if window is not None:
+        nearest = first_valid.unsqueeze(2) - last_valid.unsqueeze(1)
+        reach = reach & (nearest < window)
+        farthest = (q_block + 1) * block_size - 1 - kv_block * block_size
+        full = full & (farthest < window).unsqueeze(0)
+    present = reach | diagonal
+    if separate_full:
+        partial = present & ~full
+    else:
+        partial, full = present, torch.zeros_like(present)
+    kv_num_blocks, kv_indices = _ordered(partial.unsqueeze(1))
+    full_kv_num_blocks, full_kv_indices = _ordered(full.unsqueeze(1))
+    return kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices
+
+
+# --------------------------------------------------------------- unpad / pad
+
+
+def _row_mask(keep: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    return keep.reshape(keep.shape[0], *([1] * (like.ndim - 1)))
+
+
+def _inverse_permutation(indices: torch.Tensor, num_tokens: torch.Tensor) -> torch.Tensor:
+    """``inverse [batch*sequence]`` of the varlen permutation (NOTE [Unpad and pad are each other's backward])."""
+    positions = torch.arange(indices.numel(), device=indices.device)
+    # The valid positions, ascending, then a value past every position.
+    valid_positions = torch.where(positions < num_tokens, indices, indices.numel())
+    valid_before = torch.searchsorted(valid_positions, positions)
+    is_valid = valid_positions.gather(0, valid_before.clamp_max(indices.numel() - 1)) == positions
+    inverse = torch.where(is_valid, valid_before, num_tokens + positions - valid_before)
+    assert_async(
+        (indices.gather(0, inverse.clamp(0, indices.numel() - 1)) == positions).all(),
+        "indices must be the varlen permutation of varlen_metadata: "
+        "the first num_tokens entries the valid positions ascending, then the padding positions ascending",
+    )
+    return inverse
+
+
+def _unpad_fake(values: torch.Tensor, indices: torch.Tensor, num_tokens: torch.Tensor) -> torch.Tensor:
+    """``[batch*sequence, ...]`` in the dtype of ``values``."""
+    return values.new_empty(values.shape[0] * values.shape[1], *values.shape[2:])
+
+
+def _pad_fake(values: torch.Tensor, indices: torch.Tensor, num_tokens: torch.Tensor, sequence: int) -> torch.Tensor:
+    """``[batch, sequence, ...]`` in the dtype of ``values``."""
+    return values.new_empty(values.shape[0] // sequence, sequence, *values.shape[1:])
+
+
+def _unpad_setup(ctx, inputs, output) -> None:
+    _, indices, num_tokens = inputs
+    ctx.save_for_backward(indices, num_tokens)
+    ctx.sequence = inputs[0].shape[1]
+
+
+def _unpad_backward(ctx, grad):
+    indices, num_tokens = ctx.saved_tensors
+    return pad(grad, indices, num_tokens, ctx.sequence), None, None
+
+
+def _pad_setup(ctx, inputs, output) -> None:
+    _, indices, num_tokens, _ = inputs
+    ctx.save_for_backward(indices, num_tokens)
+
+
+def _pad_backward(ctx, grad):
+    indices, num_tokens = ctx.saved_tensors
+    return unpad(grad, indices, num_tokens), None, None, None
+
+
+@packfn_op("unpad", fake=_unpad_fake, backward=_unpad_backward, setup_context=_unpad_setup)
+def unpad(values: torch.Tensor, indices: torch.Tensor, num_tokens: torch.Tensor) -> torch.Tensor:
+    flat = values.flatten(0, 1)
+    keep = torch.arange(indices.numel(), device=indices.device) < num_tokens
+    return torch.where(_row_mask(keep, flat), flat.index_select(0, indices), flat.new_zeros(()))
+
+
+@packfn_op("pad", fake=_pad_fake, backward=_pad_backward, setup_context=_pad_setup)
+def pad(values: torch.Tensor, indices: torch.Tensor, num_tokens: torch.Tensor, sequence: int) -> torch.Tensor:
+    inverse = _inverse_permutation(indices, num_tokens)
+    keep = inverse < num_tokens
+    # Padding rows read row 0 and are then zeroed: whatever the unpadded tail
+    # holds (uninitialized rows of a varlen kernel, NaN) never reaches them.
+    source = torch.where(keep, inverse, 0)
+    padded = torch.where(_row_mask(keep, values), values.index_select(0, source), values.new_zeros(()))
+    return padded.reshape(-1, sequence, *values.shape[1:])
