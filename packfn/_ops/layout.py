@@ -1,0 +1,215 @@
+"""Ops that build compression-aligned packed layouts and move tokens in and out of them.
+
+Layout format (used by every docstring in :mod:`packfn.layout`). A row of
+the input holds documents back to back; ``seq_lens[b, k]`` is the real
+length ``n`` of the document in slot ``k + 1`` of row ``b`` and
+``seq_lens_padded[b, k]`` its physical span ``s >= n`` (real tokens first,
+then ``s - n`` columns of padding that belong to it). ``0`` and ``-1000``
+mark an absent document: it keeps its slot id but has no tokens and no span.
+The aligned row writes each document's ``n`` real tokens at the next start
+that is a multiple of ``alignment``. Example, ``alignment=4``, one row of
+``sequence_length=9``::
+
+    seq_lens        = [[3, 0, 5]]           # slot 2 is absent
+    seq_lens_padded = [[4, 0, 5]]           # document 1 has one padding column
+    input columns:     0 1 2 (3) 4 5 6 7 8
+    aligned row:       0 1 2 . 4 5 6 7 8 . . .       (length 12)
+    source_indices  = [[0, 1, 2, -1, 4, 5, 6, 7, 8, -1, -1, -1]]
+    position_ids    = [[0, 1, 2, 0, 0, 1, 2, 3, 4, 0, 0, 0]]
+    sequence_ids    = [[1, 1, 1, 0, 3, 3, 3, 3, 3, 0, 0, 0]]
+    input_positions = [[0, 1, 2, -1, 4, 5, 6, 7, 8]]
+
+``source_indices`` and ``input_positions`` are each other's inverse on real
+tokens: ``source_indices[b, input_positions[b, i]] == i`` wherever
+``input_positions[b, i] >= 0``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from packfn._ops._registry import assert_async, packfn_op
+
+__all__ = ["ABSENT", "LAYOUT_RULES", "aligned_layout", "aligned_need", "layout_violations", "pack", "restore"]
+
+ABSENT = -1000
+"""The length upstream uses (besides 0) for an absent document."""
+
+LAYOUT_RULES = (
+    "an absent document (length 0 or -1000) must not have a physical span in seq_lens_padded",
+    "seq_lens must not hold negative document lengths (other than the absent marker -1000)",
+    "a document's physical span in seq_lens_padded must not be shorter than its length in seq_lens",
+    "the documents' physical spans must not run past the input row (sequence_length)",
+)
+"""Data rules of document lengths, in the order of the last axis of :func:`layout_violations`."""
+
+
+def _document_table(seq_lens: torch.Tensor, seq_lens_padded: torch.Tensor, alignment: int):
+    """Per-document tables of a ``[batch, documents]`` length pair (all int64).
+
+    Returns ``(lengths, spans, present, real, input_bounds, aligned_bounds)``:
+    the raw lengths and spans, which slots hold a document, the real length
+    ``n`` (0 for absent slots, clamped at 0), and the running starts
+    ``[batch, documents + 1]`` of documents in the input row (by physical
+    span) and in the aligned row (by ``n`` rounded up to ``alignment``),
+    each starting at 0 and ending at the row total.
+    """
+    lengths = seq_lens.to(torch.int64)
+    spans = seq_lens_padded.to(torch.int64)
+    present = (lengths != 0) & (lengths != ABSENT)
+    # Clamping keeps the bounds sorted even for broken data, so that the
+    # binary searches below stay in range while the asserts report the rule.
+    real = torch.where(present, lengths, 0).clamp_min(0)
+    span = torch.where(present, spans, 0).clamp_min(0)
+    width = (real + alignment - 1) // alignment * alignment
+    input_bounds = F.pad(span, (1, 0)).cumsum(1)
+    aligned_bounds = F.pad(width, (1, 0)).cumsum(1)
+    return lengths, spans, present, real, input_bounds, aligned_bounds
+
+
+def layout_violations(seq_lens: torch.Tensor, seq_lens_padded: torch.Tensor, sequence_length: int) -> torch.Tensor:
+    """Bool ``[batch, documents, len(LAYOUT_RULES)]``: which rule each document breaks.
+
+    A document breaks the span rule when its span ends past the row, counting
+    the spans of the present documents before it.
+    """
+    lengths, spans, present, _, input_bounds, _ = _document_table(seq_lens, seq_lens_padded, 1)
+    absent_with_span = ~present & (spans != 0) & (spans != ABSENT)
+    negative = present & (lengths < 0)
+    short_span = present & (spans < lengths)
+    past_row = present & (input_bounds[:, 1:] > sequence_length)
+    return torch.stack([absent_with_span, negative, short_span, past_row], dim=-1)
+
+
+def _longest(aligned_bounds: torch.Tensor) -> torch.Tensor:
+    """0-d int64: the longest aligned row (0 without documents, and for an empty batch)."""
+    return F.pad(aligned_bounds[:, -1], (0, 1)).max()
+
+
+def aligned_need(seq_lens: torch.Tensor, alignment: int) -> torch.Tensor:
+    """0-d int64: the longest row once each document's length is rounded up to ``alignment``."""
+    return _longest(_document_table(seq_lens, seq_lens, alignment)[-1])
+
+
+def _document_of(bounds: torch.Tensor, columns: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """For each column ``[batch, columns]``: the slot whose span holds it and the offset into that span.
+
+    ``bounds`` is ``[batch, documents + 1]`` running starts. Slots of zero
+    width are skipped (the search takes the last start at or before the
+    column); columns at or past the row total get slot ``documents``.
+    """
+    batch = bounds.shape[0]
+    positions = torch.arange(columns, device=bounds.device)
+    queries = positions.expand(batch, columns).contiguous()
+    slot = torch.searchsorted(bounds, queries, right=True) - 1
+    offset = positions - bounds.gather(1, slot)
+    return slot, offset
+
+
+def _aligned_layout_fake(
+    seq_lens: torch.Tensor, seq_lens_padded: torch.Tensor, sequence_length: int, alignment: int, length: int
+):
+    """``source_indices``, ``position_ids``, ``sequence_ids`` ``[B, length]``, ``input_positions [B, S]``, 0-d need."""
+    batch = seq_lens.shape[0]
+    new = seq_lens.new_empty
+    return (
+        new(batch, length, dtype=torch.int64),
+        new(batch, length, dtype=torch.int64),
+        new(batch, length, dtype=torch.int64),
+        new(batch, sequence_length, dtype=torch.int64),
+        new((), dtype=torch.int64),
+    )
+
+
+@packfn_op("aligned_layout", fake=_aligned_layout_fake)
+def aligned_layout(
+    seq_lens: torch.Tensor, seq_lens_padded: torch.Tensor, sequence_length: int, alignment: int, length: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    violations = layout_violations(seq_lens, seq_lens_padded, sequence_length).flatten(0, 1).any(0)
+    for index, rule in enumerate(LAYOUT_RULES):
+        assert_async(~violations[index], rule)
+    _, _, _, real, input_bounds, aligned_bounds = _document_table(seq_lens, seq_lens_padded, alignment)
+    longest = _longest(aligned_bounds)
+    assert_async(longest <= length, f"the aligned documents of a row do not fit length={length}")
+    # Slot `documents` (past the last document) reads zeros: a real length of
+    # 0 makes every column it gets padding.
+    real = F.pad(real, (0, 1))
+
+    slot, offset = _document_of(aligned_bounds, length)
+    inside = offset < real.gather(1, slot)
+    source_indices = torch.where(inside, input_bounds.gather(1, slot) + offset, -1)
+    position_ids = torch.where(inside, offset, 0)
+    sequence_ids = torch.where(inside, slot + 1, 0)
+
+    slot, offset = _document_of(input_bounds, sequence_length)
+    inside = offset < real.gather(1, slot)
+    input_positions = torch.where(inside, aligned_bounds.gather(1, slot) + offset, -1)
+    return source_indices, position_ids, sequence_ids, input_positions, longest
+
+
+# NOTE [Why pack and restore are each other's backward]
+# pack reads row b, column j of its output from input column
+# source_indices[b, j] (fill where it is -1); restore reads input column i
+# from aligned column input_positions[b, i] (zero where it is -1). A layout
+# maps its real tokens one to one, so the two index tables are inverse
+# permutations on real tokens (source_indices[b, input_positions[b, i]] == i)
+# and every other entry is -1. The gradient of a gather is the scatter-add
+# of the output gradient back to the columns read; since each input column
+# is read at most once, that scatter-add is itself a gather through the
+# inverse table: d pack / d values = restore(grad) and
+# d restore / d values = pack(grad, fill=0). Padding reads nothing, so it
+# gets a zero gradient, and the fill value gets none. Both directions stay
+# gathers: deterministic, no atomics, and Inductor fuses each into one
+# loop. This relies on the two tables coming from one layout, which is why
+# both ops take both tables.
+
+
+def _gather_rows(values: torch.Tensor, index: torch.Tensor, fill: float) -> torch.Tensor:
+    """``[B, width, ...]``: ``values[b, index[b, j]]``, ``fill`` where ``index`` is negative."""
+    batch, source = values.shape[:2]
+    width = index.shape[1]
+    valid = index >= 0
+    # One flat row gather: a contiguous copy per token row in eager, a
+    # single indirect load under Inductor.
+    offsets = torch.arange(batch, device=index.device).unsqueeze(1) * source
+    flat = (index.clamp_min(0) + offsets).reshape(-1)
+    gathered = values.flatten(0, 1).index_select(0, flat).unflatten(0, (batch, width))
+    valid = valid.reshape(*valid.shape, *([1] * (values.ndim - 2)))
+    return gathered.masked_fill(~valid, fill)
+
+
+def _pack_fake(values: torch.Tensor, source_indices: torch.Tensor, input_positions: torch.Tensor, fill: float):
+    """``[batch, length, ...]`` in values' dtype."""
+    return values.new_empty((values.shape[0], source_indices.shape[1], *values.shape[2:]))
+
+
+def _restore_fake(values: torch.Tensor, input_positions: torch.Tensor, source_indices: torch.Tensor):
+    """``[batch, sequence, ...]`` in values' dtype."""
+    return values.new_empty((values.shape[0], input_positions.shape[1], *values.shape[2:]))
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    ctx.save_for_backward(inputs[1], inputs[2])
+
+
+def _pack_backward(ctx, grad: torch.Tensor):
+    source_indices, input_positions = ctx.saved_tensors
+    return torch.ops.packfn.restore(grad, input_positions, source_indices), None, None, None
+
+
+def _restore_backward(ctx, grad: torch.Tensor):
+    input_positions, source_indices = ctx.saved_tensors
+    return torch.ops.packfn.pack(grad, source_indices, input_positions, 0.0), None, None
+
+
+@packfn_op("pack", fake=_pack_fake, backward=_pack_backward, setup_context=_setup_context)
+def pack(
+    values: torch.Tensor, source_indices: torch.Tensor, input_positions: torch.Tensor, fill: float
+) -> torch.Tensor:
+    return _gather_rows(values, source_indices, fill)
+
+
+@packfn_op("restore", fake=_restore_fake, backward=_restore_backward, setup_context=_setup_context)
+def restore(values: torch.Tensor, input_positions: torch.Tensor, source_indices: torch.Tensor) -> torch.Tensor:
+    return _gather_rows(values, input_positions, 0.0)
