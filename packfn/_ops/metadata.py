@@ -88,7 +88,7 @@ def varlen_metadata(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     _, valid, starts = _document_starts(attention_mask)
     _check_mask(attention_mask, starts, max_documents)
-    batch, sequence = attention_mask.shape
+    batch = attention_mask.shape[0]
     valid = valid.reshape(-1)
     positions = torch.arange(valid.numel(), device=valid.device)
     valid_seen = valid.cumsum(0)  # valid tokens at or before each position

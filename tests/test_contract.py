@@ -1,0 +1,66 @@
+"""Packing contracts behave exactly like nemo_automodel 0.7.0's."""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+
+import pytest
+from nemo_automodel.components.datasets import packing as upstream
+
+import packfn
+from packfn import contract
+
+NAMES = ["flash_attention_2", "flash_attention_3", "flash_attention_4", "sdpa", "eager", "flex_attention", ""]
+
+
+def resolve(module, packing, name):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = module.resolve_packing_contract(packing, name)
+    return result, [(warning.category, str(warning.message)) for warning in caught]
+
+
+def test_defaults_match_upstream():
+    ours, theirs = contract._DefaultPackedSequenceContract(), upstream._DefaultPackedSequenceContract()
+    assert dataclasses.asdict(ours) == dataclasses.asdict(theirs)
+    assert contract._LEGACY_FLASH_ATTENTION_IMPLEMENTATIONS == upstream._LEGACY_FLASH_ATTENTION_IMPLEMENTATIONS
+    assert packfn.DEFAULT_PACKED_SEQUENCE_CONTRACT == contract._DefaultPackedSequenceContract()
+    assert packfn.PackedMaskType.__args__ == upstream.PackedMaskType.__args__
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        packfn.DEFAULT_PACKED_SEQUENCE_CONTRACT.packed_mask_type = "flash_varlen"
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_default_contract_resolves_like_upstream(name):
+    ours, our_warnings = resolve(packfn, packfn.DEFAULT_PACKED_SEQUENCE_CONTRACT, name)
+    theirs, their_warnings = resolve(upstream, upstream.DEFAULT_PACKED_SEQUENCE_CONTRACT, name)
+    assert dataclasses.asdict(ours) == dataclasses.asdict(theirs)
+    assert type(ours) is contract._DefaultPackedSequenceContract
+    assert ours is not packfn.DEFAULT_PACKED_SEQUENCE_CONTRACT
+    assert our_warnings == their_warnings and our_warnings[0][0] is FutureWarning
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_explicit_contract_is_returned_unchanged_with_a_warning(name):
+    explicit = contract._DefaultPackedSequenceContract(packed_mask_type="document_ids")
+    upstream_explicit = upstream._DefaultPackedSequenceContract(packed_mask_type="document_ids")
+    ours, our_warnings = resolve(packfn, explicit, name)
+    _, their_warnings = resolve(upstream, upstream_explicit, name)
+    assert ours is explicit
+    assert our_warnings == their_warnings and "ignored" in our_warnings[0][1]
+
+
+def test_none_returns_the_contract_without_warning():
+    for packing in (packfn.DEFAULT_PACKED_SEQUENCE_CONTRACT, contract._DefaultPackedSequenceContract("flash_varlen")):
+        result, caught = resolve(packfn, packing, None)
+        assert result is packing and caught == []
+
+
+def test_warning_points_at_the_callers_caller():
+    def collate():
+        return packfn.resolve_packing_contract(packfn.DEFAULT_PACKED_SEQUENCE_CONTRACT, "sdpa")
+
+    with pytest.warns(FutureWarning) as caught:
+        collate()  # this line is the caller of the caller
+    assert caught[0].filename == __file__
