@@ -25,7 +25,7 @@ def test_defaults_match_upstream():
     ours, theirs = contract._DefaultPackedSequenceContract(), upstream._DefaultPackedSequenceContract()
     assert dataclasses.asdict(ours) == dataclasses.asdict(theirs)
     assert contract._LEGACY_FLASH_ATTENTION_IMPLEMENTATIONS == upstream._LEGACY_FLASH_ATTENTION_IMPLEMENTATIONS
-    assert packfn.DEFAULT_PACKED_SEQUENCE_CONTRACT == contract._DefaultPackedSequenceContract()
+    assert contract._DefaultPackedSequenceContract() == packfn.DEFAULT_PACKED_SEQUENCE_CONTRACT
     assert packfn.PackedMaskType.__args__ == upstream.PackedMaskType.__args__
     with pytest.raises(dataclasses.FrozenInstanceError):
         packfn.DEFAULT_PACKED_SEQUENCE_CONTRACT.packed_mask_type = "flash_varlen"

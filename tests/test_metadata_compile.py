@@ -37,7 +37,10 @@ def drop_in_path(mask):
     indices, cu_seqlens, max_seqlen = packfn.get_unpad_data(mask)
     metadata = packfn.build_packed_sequence_metadata(mask)
     flat = packfn.flatten_packed_sequence_metadata(
-        metadata["packed_token_indices"], metadata["cu_seqlens"], batch_size=mask.shape[0], sequence_length=mask.shape[1]
+        metadata["packed_token_indices"],
+        metadata["cu_seqlens"],
+        batch_size=mask.shape[0],
+        sequence_length=mask.shape[1],
     )
     return indices, cu_seqlens, max_seqlen, metadata, flat, packfn.get_seqlens_in_batch(mask)
 
@@ -188,7 +191,11 @@ def test_export_of_drop_ins_has_unbacked_sizes():
             assert int(max_seqlen) == expected[2]
 
 
-MASKS = [random_mask(3, 10, seed=1), random_mask(2, 7, seed=2, dtype=torch.bool), random_mask(1, 5, seed=3, dtype=torch.uint8)]
+MASKS = [
+    random_mask(3, 10, seed=1),
+    random_mask(2, 7, seed=2, dtype=torch.bool),
+    random_mask(1, 5, seed=3, dtype=torch.uint8),
+]
 
 
 @pytest.mark.parametrize("mask", MASKS, ids=["int64", "bool", "uint8"])
