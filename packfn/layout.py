@@ -114,10 +114,10 @@ def _worst_case_length(sequence_length, documents: int, alignment: int, minimum_
     # m documents of n_1 + ... + n_m <= sequence_length real tokens use
     # sum(ceil(n_k / a)) <= floor((tokens + m (a - 1)) / a) = m + floor((tokens - m) / a)
     # blocks, which grows with tokens and m: the bound takes every token and
-    # as many documents as there are tokens. m - 1 one-token documents and
-    # one document of the rest reach it.
+    # as many documents as there are tokens (no token without a document).
+    # m - 1 one-token documents and one document of the rest reach it.
     fitting = torch.sym_min(documents, sequence_length)
-    blocks = fitting + (sequence_length - fitting) // alignment
+    blocks = 0 if documents == 0 else fitting + (sequence_length - fitting) // alignment
     return torch.sym_max(blocks * alignment, _round_up(max(minimum_length, 1), alignment))
 
 
@@ -137,7 +137,8 @@ def aligned_length(sequence_length: int, documents: int, alignment: int, minimum
 
     Returns:
         A positive multiple of ``alignment`` usable as ``length`` of
-        :func:`aligned_layout`. Example: ``aligned_length(9, 3, 4) == 20``
+        :func:`aligned_layout` (a SymInt when ``sequence_length`` is one,
+        for compiles with dynamic sequence lengths). Example: ``aligned_length(9, 3, 4) == 16``
         (one-token documents at 0 and 4, seven tokens at 8..14).
 
     Raises:
@@ -150,12 +151,13 @@ def aligned_length(sequence_length: int, documents: int, alignment: int, minimum
         ("documents", documents),
         ("minimum_length", minimum_length),
     ):
-        if isinstance(value, bool) or not isinstance(value, int):
+        if isinstance(value, bool) or not isinstance(value, (int, torch.SymInt)):
             raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if sequence_length < 0 or documents < 0:
-        raise ValueError(f"sequence_length and documents must not be negative, got {sequence_length}, {documents}")
+    for value in (sequence_length, documents):
+        if isinstance(value, int) and value < 0:
+            raise ValueError(f"sequence_length and documents must not be negative, got {sequence_length}, {documents}")
     alignment = check_positive_int(alignment, "alignment")
-    return int(_worst_case_length(sequence_length, documents, alignment, minimum_length))
+    return _worst_case_length(sequence_length, documents, alignment, minimum_length)
 
 
 def _check_lengths(tensor: object, name: str) -> None:
