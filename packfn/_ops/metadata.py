@@ -31,40 +31,39 @@ MASK_RULES = (
 """Data rules of a packing mask, in the order of :func:`mask_violations`."""
 
 
-def _document_starts(attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Return ``(ids, valid, starts)``: int64 ids and bool ``[batch, sequence]`` flags.
+def _parse_mask(attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Return ``(valid, starts, violations)`` of a ``[batch, sequence]`` mask.
 
-    ``starts`` marks the first token of each document. With ids that never
-    decrease along a row, the running maximum of a row is the id of the last
-    valid token so far, so a valid token starts a document exactly when its
-    id differs from the running maximum before it (padding inside a document
-    therefore does not split it).
+    ``valid`` and ``starts`` are bool ``[batch, sequence]``; ``starts`` marks
+    the first token of each document. With ids that never decrease along a
+    row, the running maximum of a row is the id of the last valid token so
+    far, so a valid token starts a document exactly when its id differs from
+    the running maximum before it (padding inside a document does not split
+    it). ``violations`` is bool ``[len(MASK_RULES)]``.
     """
     ids = attention_mask.to(torch.int64)
     valid = ids != 0
-    running = ids.cummax(dim=1).values
-    before = F.pad(running[:, :-1], (1, 0))
+    before = F.pad(ids.cummax(dim=1).values[:, :-1], (1, 0))
     starts = valid & (ids != before)
-    return ids, valid, starts
+    violations = torch.stack([(ids < 0).any(), (valid & (ids < before)).any()])
+    return valid, starts, violations
 
 
 def mask_violations(attention_mask: torch.Tensor) -> torch.Tensor:
     """Bool ``[len(MASK_RULES)]``: which data rule of the mask is broken."""
-    ids = attention_mask.to(torch.int64)
-    before = F.pad(ids.cummax(dim=1).values[:, :-1], (1, 0))
-    negative = (ids < 0).any()
-    decreasing = ((ids != 0) & (ids < before)).any()
-    return torch.stack([negative, decreasing])
+    return _parse_mask(attention_mask)[2]
 
 
-def _check_mask(attention_mask: torch.Tensor, starts: torch.Tensor, max_documents: int) -> None:
-    violations = mask_violations(attention_mask)
+def _parse_checked_mask(attention_mask: torch.Tensor, max_documents: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(valid, starts)`` after asserting (sync-free) every rule and the capacity."""
+    valid, starts, violations = _parse_mask(attention_mask)
     for index, rule in enumerate(MASK_RULES):
         assert_async(~violations[index], rule)
     assert_async(
         (starts.sum(dim=1) <= max_documents).all(),
         f"a row of attention_mask holds more documents than max_documents={max_documents}",
     )
+    return valid, starts
 
 
 def _varlen_metadata_fake(attention_mask: torch.Tensor, max_documents: int):
@@ -86,8 +85,7 @@ def _varlen_metadata_fake(attention_mask: torch.Tensor, max_documents: int):
 def varlen_metadata(
     attention_mask: torch.Tensor, max_documents: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    _, valid, starts = _document_starts(attention_mask)
-    _check_mask(attention_mask, starts, max_documents)
+    valid, starts = _parse_checked_mask(attention_mask, max_documents)
     batch = attention_mask.shape[0]
     valid = valid.reshape(-1)
     positions = torch.arange(valid.numel(), device=valid.device)
@@ -125,8 +123,7 @@ def _batch_metadata_fake(attention_mask: torch.Tensor, max_documents: int):
 def batch_metadata(
     attention_mask: torch.Tensor, max_documents: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    _, valid, starts = _document_starts(attention_mask)
-    _check_mask(attention_mask, starts, max_documents)
+    valid, starts = _parse_checked_mask(attention_mask, max_documents)
     batch, sequence = attention_mask.shape
     columns = torch.arange(sequence, device=valid.device)
     packed_token_indices = torch.where(valid, columns, -1)

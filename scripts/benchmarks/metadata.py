@@ -1,0 +1,87 @@
+"""Mask parsing: upstream eager against packfn's drop-ins (eager) and static ops (eager, compiled)."""
+
+from __future__ import annotations
+
+import torch
+
+import packfn
+from scripts.benchmarks.common import Case, Inputs
+
+try:
+    from nemo_automodel.components.datasets import packing as upstream
+    from nemo_automodel.components.models.common import packing as upstream_models
+except ImportError:  # the benchmark still measures packfn alone
+    upstream = upstream_models = None
+
+
+def _compiled(function, *args):
+    compiled = torch.compile(function, fullgraph=True)
+    compiled(*args)  # warm: compile outside the timed region
+    return lambda: compiled(*args)
+
+
+def cases(inputs: Inputs) -> list[Case]:
+    mask, capacity = inputs.document_ids, inputs.max_documents
+    batch, sequence = mask.shape
+
+    def static_flat(mask):
+        return packfn.varlen_metadata(mask, max_documents=capacity)
+
+    def static_batch(mask):
+        return packfn.batch_metadata(mask, max_documents=capacity)
+
+    metadata = packfn.build_packed_sequence_metadata(mask)
+    indices, bounds = metadata["packed_token_indices"], metadata["cu_seqlens"]
+    narrow_bounds = packfn.batch_metadata(mask, max_documents=capacity).cu_seqlens
+
+    def static_flatten(indices, bounds):
+        return packfn.flatten_metadata(indices, bounds)
+
+    shape = {"batch_size": batch, "sequence_length": sequence}
+    families = [
+        (
+            "get_unpad_data",
+            upstream and (lambda: upstream.get_unpad_data(mask)),
+            lambda: packfn.get_unpad_data(mask),
+            lambda: static_flat(mask),
+            _compiled(static_flat, mask),
+        ),
+        (
+            "build_packed_sequence_metadata",
+            upstream and (lambda: upstream.build_packed_sequence_metadata(mask)),
+            lambda: packfn.build_packed_sequence_metadata(mask),
+            lambda: static_batch(mask),
+            _compiled(static_batch, mask),
+        ),
+        (
+            "get_seqlens_in_batch",
+            upstream and (lambda: upstream.get_seqlens_in_batch(mask)),
+            lambda: packfn.get_seqlens_in_batch(mask),
+            lambda: static_flat(mask),
+            _compiled(static_flat, mask),
+        ),
+        (
+            "flatten_packed_sequence_metadata",
+            upstream_models and (lambda: upstream_models.flatten_packed_sequence_metadata(indices, bounds, **shape)),
+            lambda: packfn.flatten_packed_sequence_metadata(indices, bounds, **shape),
+            lambda: static_flatten(indices, narrow_bounds),
+            _compiled(static_flatten, indices, narrow_bounds),
+        ),
+    ]
+    result = []
+    for name, reference, drop_in, static_eager, static_compiled in families:
+        variants = {"packfn drop-in eager": drop_in, "packfn static eager": static_eager}
+        variants["packfn static compiled"] = static_compiled
+        if reference:
+            variants = {"upstream": reference, **variants}
+        result.append(
+            Case(
+                "metadata",
+                name,
+                sequence,
+                variants,
+                baseline="upstream" if reference else "packfn drop-in eager",
+                notes={"max_documents": str(capacity)},
+            )
+        )
+    return result
