@@ -1,0 +1,163 @@
+"""Benchmark packfn against the upstream helpers, side by side in one process.
+
+Every op family (``scripts/benchmarks/<family>.py``) builds ``Case``s from the
+SPEC section 5 inputs: ``batch=8``, document lengths drawn from an exponential
+distribution (mean 300 and 800 tokens), rows filled until the next document
+would not fit. Each variant of a case is timed in interleaved rounds (so
+drift on a shared machine hits all variants alike); the median is reported
+with the ratio ``baseline / variant`` (above 1: faster than the baseline).
+
+    python scripts/bench.py                       # full run: sequence 4096 and 32768
+    python scripts/bench.py --sequences 256 --repeats 3 --families metadata --json out.json
+
+Writes JSON (``--json``) and, where matplotlib is installed, a plot of time
+against sequence length on log scales (``--plot``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from scripts.benchmarks.common import Case, make_inputs
+
+FAMILIES = ("metadata", "layout", "attention")
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_case(case: Case, repeats: int, device: torch.device, budget_s: float) -> dict[str, float]:
+    """Median seconds per variant over interleaved rounds (fewer rounds if a variant is very slow)."""
+    samples: dict[str, list[float]] = {label: [] for label in case.variants}
+    started = time.perf_counter()
+    for round_index in range(repeats):
+        for label, function in case.variants.items():
+            _synchronize(device)
+            begin = time.perf_counter()
+            function()
+            _synchronize(device)
+            samples[label].append(time.perf_counter() - begin)
+        if round_index >= 2 and time.perf_counter() - started > budget_s:
+            break
+    return {label: statistics.median(values) for label, values in samples.items()}
+
+
+def run(
+    sequences: list[int], means: list[int], families: list[str], repeats: int, device: str, budget_s: float
+) -> list[dict]:
+    rows = []
+    for sequence in sequences:
+        for mean in means:
+            inputs = make_inputs(sequence, mean, device=device)
+            for family in families:
+                module = importlib.import_module(f"scripts.benchmarks.{family}")
+                for case in module.cases(inputs):
+                    for label in case.variants:
+                        case.variants[label]()  # warm every variant once
+                    medians = time_case(case, repeats, inputs.device, budget_s)
+                    base = medians[case.baseline]
+                    for label, seconds in medians.items():
+                        row = {
+                            "family": case.family,
+                            "case": case.name,
+                            "sequence": sequence,
+                            "mean": mean,
+                            "variant": label,
+                            "baseline": case.baseline,
+                            "median_ms": seconds * 1e3,
+                            "speedup": base / seconds,
+                            "notes": case.notes,
+                        }
+                        rows.append(row)
+                        print(
+                            f"{case.family:>9} {case.name:<34} S={sequence:<6} mean={mean:<4} "
+                            f"{label:<24} {seconds * 1e3:10.3f} ms  x{base / seconds:7.2f} vs {case.baseline}",
+                            flush=True,
+                        )
+    return rows
+
+
+def plot(rows: list[dict], path: Path) -> bool:
+    """Time against sequence length per case and variant, log scales; False without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    cases = sorted({(row["family"], row["case"]) for row in rows})
+    columns = 4
+    lines = (len(cases) + columns - 1) // columns
+    figure, axes = plt.subplots(lines, columns, figsize=(4.2 * columns, 3.2 * lines), squeeze=False)
+    for axis, (family, name) in zip(axes.flat, cases, strict=False):
+        selected = [row for row in rows if (row["family"], row["case"]) == (family, name)]
+        for (variant, mean), group in _group(selected).items():
+            group.sort(key=lambda row: row["sequence"])
+            axis.plot(
+                [row["sequence"] for row in group],
+                [row["median_ms"] for row in group],
+                marker="o",
+                label=f"{variant} (mean {mean})",
+            )
+        axis.set(xscale="log", yscale="log", title=f"{family}: {name}", xlabel="sequence", ylabel="ms")
+        axis.legend(fontsize=6)
+    for axis in list(axes.flat)[len(cases) :]:
+        axis.axis("off")
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    return True
+
+
+def _group(rows: list[dict]) -> dict[tuple[str, int], list[dict]]:
+    groups: dict[tuple[str, int], list[dict]] = {}
+    for row in rows:
+        groups.setdefault((row["variant"], row["mean"]), []).append(row)
+    return groups
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sequences", type=int, nargs="+", default=[4096, 32768])
+    parser.add_argument("--means", type=int, nargs="+", default=[300, 800])
+    parser.add_argument("--families", nargs="+", default=list(FAMILIES), choices=FAMILIES)
+    parser.add_argument("--repeats", type=int, default=7, help="interleaved timing rounds per case")
+    parser.add_argument("--budget", type=float, default=20.0, help="seconds per case before rounds stop (min 3)")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--json", type=Path, default=Path("bench_results/bench.json"))
+    parser.add_argument("--plot", type=Path, default=Path("bench_results/bench.png"))
+    arguments = parser.parse_args(argv)
+    rows = run(
+        arguments.sequences, arguments.means, arguments.families, arguments.repeats, arguments.device, arguments.budget
+    )
+    arguments.json.parent.mkdir(parents=True, exist_ok=True)
+    report = {
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "threads": torch.get_num_threads(),
+        "device": arguments.device,
+        "rows": rows,
+    }
+    arguments.json.write_text(json.dumps(report, indent=1))
+    print(f"wrote {arguments.json}")
+    if plot(rows, arguments.plot):
+        print(f"wrote {arguments.plot}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
