@@ -308,9 +308,8 @@ def packed_layout(
     if not is_compiling():
         # Eager: one host read of the first broken rule and the row need,
         # then the static op at exactly the row length (nothing to trim).
-        violations = _ops.layout_violations(lengths, spans, sequence)
-        need = _ops.aligned_need(lengths, alignment)
-        code, longest = torch.stack([_first_broken_rule(violations), need]).tolist()
+        table = _ops.DocumentTable.build(lengths, spans, alignment)
+        code, longest = torch.stack([_first_broken_rule(table.violations(sequence)), table.longest()]).tolist()
         if code:
             raise ValueError(_ABSENT_WITH_SPAN if code == 1 else _SPAN_EXCEEDED)
         row_length = _round_up(max(floor, longest), alignment)

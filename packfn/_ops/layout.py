@@ -26,12 +26,14 @@ tokens: ``source_indices[b, input_positions[b, i]] == i`` wherever
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
 from packfn._ops._registry import assert_async, packfn_op
 
-__all__ = ["ABSENT", "LAYOUT_RULES", "aligned_layout", "aligned_need", "layout_violations", "pack", "restore"]
+__all__ = ["ABSENT", "LAYOUT_RULES", "DocumentTable", "aligned_layout", "pack", "restore"]
 
 ABSENT = -1000
 """The length upstream uses (besides 0) for an absent document."""
@@ -42,54 +44,60 @@ LAYOUT_RULES = (
     "a document's physical span in seq_lens_padded must not be shorter than its length in seq_lens",
     "the documents' physical spans must not run past the input row (sequence_length)",
 )
-"""Data rules of document lengths, in the order of the last axis of :func:`layout_violations`."""
+"""Data rules of document lengths, in the order of the last axis of :meth:`DocumentTable.violations`."""
 
 
-def _document_table(seq_lens: torch.Tensor, seq_lens_padded: torch.Tensor, alignment: int):
+class DocumentTable(NamedTuple):
     """Per-document tables of a ``[batch, documents]`` length pair (all int64).
 
-    Returns ``(lengths, spans, present, real, input_bounds, aligned_bounds)``:
-    the raw lengths and spans, which slots hold a document, the real length
-    ``n`` (0 for absent slots, clamped at 0), and the running starts
-    ``[batch, documents + 1]`` of documents in the input row (by physical
-    span) and in the aligned row (by ``n`` rounded up to ``alignment``),
-    each starting at 0 and ending at the row total.
+    Attributes:
+        lengths, spans: the raw tables.
+        present: bool, which slots hold a document.
+        real: the real length ``n`` (0 for absent slots, clamped at 0).
+        input_bounds, aligned_bounds: ``[batch, documents + 1]`` running
+            starts of the documents in the input row (by physical span) and
+            in the aligned row (by ``n`` rounded up to ``alignment``), from 0
+            to the row total.
     """
-    lengths = seq_lens.to(torch.int64)
-    spans = seq_lens_padded.to(torch.int64)
-    present = (lengths != 0) & (lengths != ABSENT)
-    # Clamping keeps the bounds sorted even for broken data, so that the
-    # binary searches below stay in range while the asserts report the rule.
-    real = torch.where(present, lengths, 0).clamp_min(0)
-    span = torch.where(present, spans, 0).clamp_min(0)
-    width = (real + alignment - 1) // alignment * alignment
-    input_bounds = F.pad(span, (1, 0)).cumsum(1)
-    aligned_bounds = F.pad(width, (1, 0)).cumsum(1)
-    return lengths, spans, present, real, input_bounds, aligned_bounds
 
+    lengths: torch.Tensor
+    spans: torch.Tensor
+    present: torch.Tensor
+    real: torch.Tensor
+    input_bounds: torch.Tensor
+    aligned_bounds: torch.Tensor
 
-def layout_violations(seq_lens: torch.Tensor, seq_lens_padded: torch.Tensor, sequence_length: int) -> torch.Tensor:
-    """Bool ``[batch, documents, len(LAYOUT_RULES)]``: which rule each document breaks.
+    @classmethod
+    def build(cls, seq_lens: torch.Tensor, seq_lens_padded: torch.Tensor, alignment: int) -> DocumentTable:
+        lengths = seq_lens.to(torch.int64)
+        spans = seq_lens_padded.to(torch.int64)
+        present = (lengths != 0) & (lengths != ABSENT)
+        # Clamping keeps the bounds sorted even for broken data, so that the
+        # binary searches stay in range while the asserts report the rule.
+        real = torch.where(present, lengths, 0).clamp_min(0)
+        span = torch.where(present, spans, 0).clamp_min(0)
+        width = (real + alignment - 1) // alignment * alignment
+        input_bounds = F.pad(span, (1, 0)).cumsum(1)
+        aligned_bounds = F.pad(width, (1, 0)).cumsum(1)
+        return cls(lengths, spans, present, real, input_bounds, aligned_bounds)
 
-    A document breaks the span rule when its span ends past the row, counting
-    the spans of the present documents before it.
-    """
-    lengths, spans, present, _, input_bounds, _ = _document_table(seq_lens, seq_lens_padded, 1)
-    absent_with_span = ~present & (spans != 0) & (spans != ABSENT)
-    negative = present & (lengths < 0)
-    short_span = present & (spans < lengths)
-    past_row = present & (input_bounds[:, 1:] > sequence_length)
-    return torch.stack([absent_with_span, negative, short_span, past_row], dim=-1)
+    def violations(self, sequence_length: int) -> torch.Tensor:
+        """Bool ``[batch, documents, len(LAYOUT_RULES)]``: which rule each document breaks.
 
+        A document breaks the span rule when its span ends past the row,
+        counting the spans of the present documents before it (as upstream,
+        which walks each row and stops at the first broken document).
+        """
+        present = self.present
+        absent_with_span = ~present & (self.spans != 0) & (self.spans != ABSENT)
+        negative = present & (self.lengths < 0)
+        short_span = present & (self.spans < self.lengths)
+        past_row = present & (self.input_bounds[:, 1:] > sequence_length)
+        return torch.stack([absent_with_span, negative, short_span, past_row], dim=-1)
 
-def _longest(aligned_bounds: torch.Tensor) -> torch.Tensor:
-    """0-d int64: the longest aligned row (0 without documents, and for an empty batch)."""
-    return F.pad(aligned_bounds[:, -1], (0, 1)).max()
-
-
-def aligned_need(seq_lens: torch.Tensor, alignment: int) -> torch.Tensor:
-    """0-d int64: the longest row once each document's length is rounded up to ``alignment``."""
-    return _longest(_document_table(seq_lens, seq_lens, alignment)[-1])
+    def longest(self) -> torch.Tensor:
+        """0-d int64: the longest aligned row (0 without documents, and for an empty batch)."""
+        return F.pad(self.aligned_bounds[:, -1], (0, 1)).max()
 
 
 def _document_of(bounds: torch.Tensor, columns: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -126,12 +134,13 @@ def _aligned_layout_fake(
 def aligned_layout(
     seq_lens: torch.Tensor, seq_lens_padded: torch.Tensor, sequence_length: int, alignment: int, length: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    violations = layout_violations(seq_lens, seq_lens_padded, sequence_length).flatten(0, 1).any(0)
+    table = DocumentTable.build(seq_lens, seq_lens_padded, alignment)
+    violations = table.violations(sequence_length).flatten(0, 1).any(0)
     for index, rule in enumerate(LAYOUT_RULES):
         assert_async(~violations[index], rule)
-    _, _, _, real, input_bounds, aligned_bounds = _document_table(seq_lens, seq_lens_padded, alignment)
-    longest = _longest(aligned_bounds)
+    longest = table.longest()
     assert_async(longest <= length, f"the aligned documents of a row do not fit length={length}")
+    real, input_bounds, aligned_bounds = table.real, table.input_bounds, table.aligned_bounds
     # Slot `documents` (past the last document) reads zeros: a real length of
     # 0 makes every column it gets padding.
     real = F.pad(real, (0, 1))
