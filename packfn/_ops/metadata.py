@@ -66,6 +66,22 @@ def _parse_checked_mask(attention_mask: torch.Tensor, max_documents: int) -> tup
     return valid, starts
 
 
+def _compact(flags: torch.Tensor, values: torch.Tensor, slots: int) -> torch.Tensor:
+    """Along the last axis, move ``values`` at the flagged positions, in order, to the first ``slots`` entries.
+
+    Entries past the number of flags hold garbage; callers mask them. The
+    k-th flagged position goes to slot k and every other position to a spare
+    slot of its own, so the scatter writes each slot at most once: it is
+    deterministic and needs no atomics (O(sequence), no binary search).
+    """
+    length = flags.shape[-1]
+    rank = flags.long().cumsum(-1) - 1
+    spare = slots + torch.arange(length, device=flags.device)
+    target = torch.where(flags, rank, spare)
+    buffer = values.new_zeros((*flags.shape[:-1], slots + length))
+    return buffer.scatter(-1, target, values)[..., :slots]
+
+
 def _varlen_metadata_fake(attention_mask: torch.Tensor, max_documents: int):
     """``indices [B*S]``, ``cu_seqlens [B*D+1]``, ``seqlens [B*D]``, three 0-d tensors."""
     batch, sequence = attention_mask.shape
@@ -95,16 +111,13 @@ def varlen_metadata(
     # a permutation, so unpad and pad are a gather and its inverse.
     destination = torch.where(valid, valid_seen - 1, num_tokens + positions - valid_seen)
     indices = torch.empty_like(positions).scatter(0, destination, positions)
-    # Boundary k is the number of valid tokens before the start of document k
-    # (the total once k passes the last document): find each start with a
-    # binary search over the running count of starts.
-    starts_seen = starts.reshape(-1).cumsum(0)
-    targets = torch.arange(1, batch * max_documents + 2, device=valid.device)
-    start_positions = torch.searchsorted(starts_seen, targets)
-    tokens_before = torch.cat([valid_seen - valid.long(), num_tokens.reshape(1)])
-    cu_seqlens = tokens_before[start_positions].to(torch.int32)
+    starts = starts.reshape(-1)
+    num_documents = starts.sum()
+    slots = torch.arange(batch * max_documents + 1, device=valid.device)
+    firsts = _compact(starts, valid_seen - valid.long(), slots.numel())
+    cu_seqlens = torch.where(slots < num_documents, firsts, num_tokens).to(torch.int32)
     seqlens = cu_seqlens[1:] - cu_seqlens[:-1]
-    return indices, cu_seqlens, seqlens, seqlens.max(), num_tokens.clone(), starts_seen[-1].clone()
+    return indices, cu_seqlens, seqlens, seqlens.max(), num_tokens.clone(), num_documents
 
 
 def _batch_metadata_fake(attention_mask: torch.Tensor, max_documents: int):
@@ -128,17 +141,15 @@ def batch_metadata(
     columns = torch.arange(sequence, device=valid.device)
     packed_token_indices = torch.where(valid, columns, -1)
     valid_seen = valid.cumsum(1)
-    tokens_before = torch.cat([valid_seen - valid.long(), valid_seen[:, -1:]], dim=1)
-    starts_seen = starts.cumsum(1)
-    num_documents = starts_seen[:, -1]
-    targets = torch.arange(1, max_documents + 2, device=valid.device).expand(batch, -1).contiguous()
-    start_positions = torch.searchsorted(starts_seen, targets)
-    boundaries = tokens_before.gather(1, start_positions)
+    num_documents = starts.sum(1, keepdim=True)
     slots = torch.arange(max_documents + 1, device=valid.device)
-    used = slots <= num_documents.unsqueeze(1)
-    cu_seqlens = torch.where(used, boundaries, -1).to(torch.int32)
-    lengths = torch.where(used[:, 1:], boundaries[:, 1:] - boundaries[:, :-1], 0)
-    return packed_token_indices, cu_seqlens, lengths.max().to(torch.int32), num_documents
+    firsts = _compact(starts, valid_seen - valid.long(), slots.numel())
+    last = torch.where(slots == num_documents, valid_seen[:, -1:], -1)
+    boundaries = torch.where(slots < num_documents, firsts, last)
+    cu_seqlens = boundaries.to(torch.int32)
+    used = boundaries[:, 1:] >= 0
+    lengths = torch.where(used, boundaries[:, 1:] - boundaries[:, :-1], 0)
+    return packed_token_indices, cu_seqlens, lengths.max().to(torch.int32), num_documents.squeeze(1)
 
 
 FLATTEN_RULES = (
