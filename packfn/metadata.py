@@ -23,7 +23,7 @@ import torch
 
 from packfn._checks import check_mask, check_positive_int, is_compiling
 from packfn._ops import metadata as _ops
-from packfn._ops._registry import python_ints
+from packfn._ops._registry import assert_rules, checked_ints
 
 __all__ = [
     "BatchMetadata",
@@ -125,7 +125,8 @@ def varlen_metadata(attention_mask: torch.Tensor, *, max_documents: int | None =
     """
     check_mask(attention_mask)
     capacity = _capacity(attention_mask, max_documents)
-    outputs = _ops.varlen_metadata(attention_mask, capacity)
+    *outputs, broken = _ops.varlen_metadata(attention_mask, capacity)
+    assert_rules(broken, _ops.mask_rules(capacity))
     return VarlenMetadata(*outputs, max_seqlen_bound=attention_mask.shape[1])
 
 
@@ -147,7 +148,8 @@ def batch_metadata(attention_mask: torch.Tensor, *, max_documents: int | None = 
     """
     check_mask(attention_mask)
     capacity = _capacity(attention_mask, max_documents)
-    outputs = _ops.batch_metadata(attention_mask, capacity)
+    *outputs, broken = _ops.batch_metadata(attention_mask, capacity)
+    assert_rules(broken, _ops.mask_rules(capacity))
     return BatchMetadata(*outputs, max_seqlen_bound=attention_mask.shape[1])
 
 
@@ -204,7 +206,10 @@ def flatten_metadata(packed_token_indices: torch.Tensor, cu_seqlens: torch.Tenso
         )
     batch, sequence = packed_token_indices.shape
     _check_metadata_shapes(packed_token_indices, cu_seqlens, batch, sequence)
-    indices, flat_cu_seqlens, num_tokens, num_documents = _ops.flatten_metadata(packed_token_indices, cu_seqlens)
+    indices, flat_cu_seqlens, num_tokens, num_documents, broken = _ops.flatten_metadata(
+        packed_token_indices, cu_seqlens
+    )
+    assert_rules(broken, _ops.FLATTEN_RULES)
     seqlens = flat_cu_seqlens[1:] - flat_cu_seqlens[:-1]
     return VarlenMetadata(indices, flat_cu_seqlens, seqlens, seqlens.max(), num_tokens, num_documents, sequence)
 
@@ -212,30 +217,18 @@ def flatten_metadata(packed_token_indices: torch.Tensor, cu_seqlens: torch.Tenso
 # ---------------------------------------------------------------- drop-ins
 
 
-def _raise_broken_rules(violations: torch.Tensor, rules: tuple[str, ...], error: str | None = None) -> None:
-    """Eager only: one host read of the rule flags, then a ``ValueError`` naming the first broken rule."""
-    for broken, rule in zip(violations.tolist(), rules, strict=True):
-        if broken:
-            raise ValueError(error or rule)
-
-
 def _check_dropin_mask(attention_mask: torch.Tensor) -> None:
     if attention_mask.ndim != 2:
         raise ValueError(f"attention_mask must have shape [batch, sequence], got {tuple(attention_mask.shape)}")
+    if attention_mask.numel() == 0:  # upstream's message for an empty [batch, sequence] mask
+        raise ValueError("attention_mask must contain at least one valid token")
     check_mask(attention_mask)
-    if not is_compiling():
-        _raise_broken_rules(_ops.mask_violations(attention_mask), _ops.MASK_RULES)
 
 
-def _check_has_tokens(attention_mask: torch.Tensor) -> None:
-    # Upstream raises this for an empty [batch, sequence] mask as well.
-    if attention_mask.ndim == 2 and attention_mask.numel() == 0:
+def _require_tokens(tokens: int) -> None:
+    if not is_compiling() and tokens == 0:
         raise ValueError("attention_mask must contain at least one valid token")
-
-
-def _no_valid_token(num_tokens: torch.Tensor) -> None:
-    if num_tokens == 0:
-        raise ValueError("attention_mask must contain at least one valid token")
+    torch._check(tokens >= 1)
 
 
 def get_seqlens_in_batch(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -256,10 +249,10 @@ def get_seqlens_in_batch(attention_mask: torch.Tensor) -> torch.Tensor:
     if isinstance(attention_mask, torch.Tensor) and attention_mask.dtype == torch.bool:
         raise ValueError("get_seqlens_in_batch needs integer document ids, got a bool mask; use get_unpad_data")
     _check_dropin_mask(attention_mask)
-    metadata = _ops.varlen_metadata(attention_mask, attention_mask.shape[1])
-    seqlens, num_documents = metadata[2], metadata[5]
-    bound = attention_mask.shape[1]
-    (documents, longest) = python_ints([num_documents, metadata[3]], [attention_mask.numel(), bound])
+    batch, sequence = attention_mask.shape
+    _, _, seqlens, max_seqlen, _, num_documents, broken = _ops.varlen_metadata(attention_mask, sequence)
+    rules = _ops.mask_rules(sequence)
+    documents, longest = checked_ints([num_documents, max_seqlen], [batch * sequence, sequence], broken, rules)
     if not is_compiling() and longest > torch.iinfo(attention_mask.dtype).max:
         raise ValueError(f"a document of {longest} tokens does not fit attention_mask's dtype {attention_mask.dtype}")
     return seqlens[:documents].to(attention_mask.dtype)
@@ -284,16 +277,18 @@ def get_unpad_data(attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Te
             ("at least one valid token"), is floating, or has negative or
             decreasing ids.
     """
-    _check_has_tokens(attention_mask)
     _check_dropin_mask(attention_mask)
     batch, sequence = attention_mask.shape
-    indices, cu_seqlens, _, max_seqlen, num_tokens, num_documents = _ops.varlen_metadata(attention_mask, sequence)
-    tokens, documents, longest = python_ints(
-        [num_tokens, num_documents, max_seqlen], [batch * sequence, batch * sequence, sequence]
+    indices, cu_seqlens, _, max_seqlen, num_tokens, num_documents, broken = _ops.varlen_metadata(
+        attention_mask, sequence
     )
-    if not is_compiling():
-        _no_valid_token(tokens)
-    torch._check(tokens >= 1)
+    tokens, documents, longest = checked_ints(
+        [num_tokens, num_documents, max_seqlen],
+        [batch * sequence, batch * sequence, sequence],
+        broken,
+        _ops.mask_rules(sequence),
+    )
+    _require_tokens(tokens)
     return indices[:tokens], cu_seqlens[: documents + 1], longest
 
 
@@ -313,16 +308,18 @@ def build_packed_sequence_metadata(attention_mask: torch.Tensor) -> PackedSequen
     Raises:
         ValueError: as :func:`get_unpad_data`.
     """
-    _check_has_tokens(attention_mask)
     _check_dropin_mask(attention_mask)
     batch, sequence = attention_mask.shape
-    packed_token_indices, cu_seqlens, max_seqlen, _ = _ops.batch_metadata(attention_mask, sequence)
-    id_bound = int(torch.iinfo(attention_mask.dtype).max) if attention_mask.dtype != torch.bool else 1
-    valid_tokens = (attention_mask != 0).sum()
+    packed_token_indices, cu_seqlens, max_seqlen, num_documents, broken = _ops.batch_metadata(attention_mask, sequence)
+    id_bound = 1 if attention_mask.dtype == torch.bool else int(torch.iinfo(attention_mask.dtype).max)
     largest_id = attention_mask.max().to(torch.int64).clamp_min(1)
-    tokens, width, longest = python_ints([valid_tokens, largest_id, max_seqlen], [batch * sequence, id_bound, sequence])
-    if not is_compiling():
-        _no_valid_token(tokens)
+    documents, width, longest = checked_ints(
+        [num_documents.sum(), largest_id, max_seqlen],
+        [batch * sequence, id_bound, sequence],
+        broken,
+        _ops.mask_rules(sequence),
+    )
+    _require_tokens(documents)
     # Upstream sizes the rows by the largest id, which gaps in ids can push
     # past the static capacity: pad with -1, then cut to the upstream width.
     filler = cu_seqlens.new_full((batch, width + 1), -1)
@@ -374,13 +371,18 @@ def flatten_packed_sequence_metadata(
                 raise ValueError(_FLAT_METADATA_ERROR)
         return packed_token_indices.to(torch.long), cu_seqlens
     _check_metadata_shapes(packed_token_indices, cu_seqlens, batch_size, sequence_length)
-    if not is_compiling():
-        violations = _ops.flatten_violations(packed_token_indices, cu_seqlens)
-        _raise_broken_rules(violations, _ops.FLATTEN_RULES, _BATCH_METADATA_ERROR)
     if packed_token_indices.numel() == 0:
         raise ValueError(_BATCH_METADATA_ERROR)
-    indices, flat_cu_seqlens, num_tokens, num_documents = _ops.flatten_metadata(packed_token_indices, cu_seqlens)
-    tokens, documents = python_ints([num_tokens, num_documents], [packed_token_indices.numel(), cu_seqlens.numel()])
+    indices, flat_cu_seqlens, num_tokens, num_documents, broken = _ops.flatten_metadata(
+        packed_token_indices, cu_seqlens
+    )
+    tokens, documents = checked_ints(
+        [num_tokens, num_documents],
+        [packed_token_indices.numel(), cu_seqlens.numel()],
+        broken,
+        _ops.FLATTEN_RULES,
+        message=_BATCH_METADATA_ERROR,
+    )
     if not is_compiling() and documents == 0:
         raise ValueError(_BATCH_METADATA_ERROR)
     return indices[:tokens], flat_cu_seqlens[: documents + 1]

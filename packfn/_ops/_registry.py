@@ -31,7 +31,7 @@ from torch._C import DispatchKey
 
 NAMESPACE = "packfn"
 
-__all__ = ["NAMESPACE", "assert_async", "packfn_op", "python_ints"]
+__all__ = ["NAMESPACE", "assert_async", "assert_rules", "checked_ints", "packfn_op", "python_ints"]
 
 
 def packfn_op(
@@ -104,5 +104,41 @@ def python_ints(values: list[torch.Tensor], bounds: list[int]) -> tuple[int, ...
     Eager: one host sync for all values. Under torch.compile or torch.export:
     unbacked SymInts, no graph break (NOTE [Data-dependent sizes without graph breaks]).
     """
-    stacked = torch.stack([value.reshape(()).to(torch.int64) for value in values])
+    # Clamped into the declared range: values read alongside broken-rule
+    # flags (``checked_ints``) may be meaningless, never out of range.
+    stacked = torch.stack(
+        [value.reshape(()).to(torch.int64).clamp(0, bound) for value, bound in zip(values, bounds, strict=True)]
+    )
     return tuple(_sizes(stacked, list(bounds)).shape[:-1])
+
+
+def assert_rules(broken: torch.Tensor, rules: tuple[str, ...]) -> None:
+    """Sync-free check of an op's rule flags: bool ``[len(rules)]``, True where a rule is broken."""
+    for index, rule in enumerate(rules):
+        assert_async(~broken[index], rule)
+
+
+def checked_ints(
+    values: list[torch.Tensor],
+    bounds: list[int],
+    broken: torch.Tensor,
+    rules: tuple[str, ...],
+    *,
+    message: str | None = None,
+) -> tuple[int, ...]:
+    """Read ``values`` as ints for a drop-in, enforcing the rule flags ``broken``.
+
+    Eager: one host sync reads the values and the flags together, then a
+    ``ValueError`` names the first broken rule (or says ``message``). Under
+    torch.compile / torch.export: sync-free asserts and unbacked SymInts.
+    """
+    if torch.compiler.is_compiling():
+        assert_rules(broken, rules)
+        return python_ints(values, bounds)
+    weights = 2 ** torch.arange(len(rules), device=broken.device)
+    code_tensor = (broken.long() * weights).sum()
+    *ints, code = python_ints([*values, code_tensor], [*bounds, 2 ** len(rules)])
+    if code:
+        first = (code & -code).bit_length() - 1
+        raise ValueError(message or rules[first])
+    return tuple(ints)

@@ -19,51 +19,46 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from packfn._ops._registry import assert_async, packfn_op
+from packfn._ops._registry import packfn_op
 
-__all__ = ["batch_metadata", "flatten_metadata", "mask_violations", "varlen_metadata"]
+__all__ = ["FLATTEN_RULES", "batch_metadata", "flatten_metadata", "mask_rules", "varlen_metadata"]
 
-MASK_RULES = (
-    "attention_mask must not contain negative document ids",
-    "attention_mask document ids must not decrease along a row "
-    "(an id reappears after a different id, or ids are out of order)",
-)
-"""Data rules of a packing mask, in the order of :func:`mask_violations`."""
+# NOTE [Ops report broken rules, callers enforce them]
+# An op never raises on data. Its last output is a bool vector, one flag per
+# data rule (``mask_rules`` / ``FLATTEN_RULES``), computed in the same fused
+# pass as the metadata. The static API turns the flags into sync-free
+# ``torch._assert_async`` checks; the drop-ins read them in eager with the
+# same single host sync that reads their data-dependent sizes, and raise
+# upstream's ``ValueError``. So eager drop-ins never hit a device-side assert
+# (which would poison a CUDA context) and never validate twice.
 
 
-def _parse_mask(attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Return ``(valid, starts, violations)`` of a ``[batch, sequence]`` mask.
+def mask_rules(max_documents: int) -> tuple[str, ...]:
+    """Data rules of a packing mask, in the order of the ops' flags."""
+    return (
+        "attention_mask must not contain negative document ids",
+        "attention_mask document ids must not decrease along a row "
+        "(an id reappears after a different id, or ids are out of order)",
+        f"a row of attention_mask holds more documents than max_documents={max_documents}",
+    )
+
+
+def _parse_mask(attention_mask: torch.Tensor, max_documents: int) -> tuple[torch.Tensor, ...]:
+    """Return ``(valid, starts, broken)`` of a ``[batch, sequence]`` mask.
 
     ``valid`` and ``starts`` are bool ``[batch, sequence]``; ``starts`` marks
     the first token of each document. With ids that never decrease along a
     row, the running maximum of a row is the id of the last valid token so
     far, so a valid token starts a document exactly when its id differs from
     the running maximum before it (padding inside a document does not split
-    it). ``violations`` is bool ``[len(MASK_RULES)]``.
+    it). ``broken`` is bool ``[3]``, one flag per rule of :func:`mask_rules`.
     """
     ids = attention_mask.to(torch.int64)
     valid = ids != 0
     before = F.pad(ids.cummax(dim=1).values[:, :-1], (1, 0))
     starts = valid & (ids != before)
-    violations = torch.stack([(ids < 0).any(), (valid & (ids < before)).any()])
-    return valid, starts, violations
-
-
-def mask_violations(attention_mask: torch.Tensor) -> torch.Tensor:
-    """Bool ``[len(MASK_RULES)]``: which data rule of the mask is broken."""
-    return _parse_mask(attention_mask)[2]
-
-
-def _parse_checked_mask(attention_mask: torch.Tensor, max_documents: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(valid, starts)`` after asserting (sync-free) every rule and the capacity."""
-    valid, starts, violations = _parse_mask(attention_mask)
-    for index, rule in enumerate(MASK_RULES):
-        assert_async(~violations[index], rule)
-    assert_async(
-        (starts.sum(dim=1) <= max_documents).all(),
-        f"a row of attention_mask holds more documents than max_documents={max_documents}",
-    )
-    return valid, starts
+    broken = torch.stack([(ids < 0).any(), (valid & (ids < before)).any(), (starts.sum(dim=1) > max_documents).any()])
+    return valid, starts, broken
 
 
 def _compact(flags: torch.Tensor, values: torch.Tensor, slots: int) -> torch.Tensor:
@@ -83,7 +78,7 @@ def _compact(flags: torch.Tensor, values: torch.Tensor, slots: int) -> torch.Ten
 
 
 def _varlen_metadata_fake(attention_mask: torch.Tensor, max_documents: int):
-    """``indices [B*S]``, ``cu_seqlens [B*D+1]``, ``seqlens [B*D]``, three 0-d tensors."""
+    """``indices [B*S]``, ``cu_seqlens [B*D+1]``, ``seqlens [B*D]``, three 0-d tensors, rule flags ``[3]``."""
     batch, sequence = attention_mask.shape
     capacity = batch * max_documents
     new = attention_mask.new_empty
@@ -94,14 +89,15 @@ def _varlen_metadata_fake(attention_mask: torch.Tensor, max_documents: int):
         new((), dtype=torch.int32),
         new((), dtype=torch.int64),
         new((), dtype=torch.int64),
+        new(3, dtype=torch.bool),
     )
 
 
 @packfn_op("varlen_metadata", fake=_varlen_metadata_fake)
 def varlen_metadata(
     attention_mask: torch.Tensor, max_documents: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    valid, starts = _parse_checked_mask(attention_mask, max_documents)
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    valid, starts, broken = _parse_mask(attention_mask, max_documents)
     batch = attention_mask.shape[0]
     valid = valid.reshape(-1)
     positions = torch.arange(valid.numel(), device=valid.device)
@@ -117,11 +113,11 @@ def varlen_metadata(
     firsts = _compact(starts, valid_seen - valid.long(), slots.numel())
     cu_seqlens = torch.where(slots < num_documents, firsts, num_tokens).to(torch.int32)
     seqlens = cu_seqlens[1:] - cu_seqlens[:-1]
-    return indices, cu_seqlens, seqlens, seqlens.max(), num_tokens.clone(), num_documents
+    return indices, cu_seqlens, seqlens, seqlens.max(), num_tokens.clone(), num_documents, broken
 
 
 def _batch_metadata_fake(attention_mask: torch.Tensor, max_documents: int):
-    """``packed_token_indices [B, S]``, ``cu_seqlens [B, D+1]``, ``max_seqlen`` and ``num_documents [B]``."""
+    """``packed_token_indices [B, S]``, ``cu_seqlens [B, D+1]``, ``max_seqlen``, ``num_documents [B]``, flags."""
     batch, sequence = attention_mask.shape
     new = attention_mask.new_empty
     return (
@@ -129,15 +125,16 @@ def _batch_metadata_fake(attention_mask: torch.Tensor, max_documents: int):
         new(batch, max_documents + 1, dtype=torch.int32),
         new((), dtype=torch.int32),
         new(batch, dtype=torch.int64),
+        new(3, dtype=torch.bool),
     )
 
 
 @packfn_op("batch_metadata", fake=_batch_metadata_fake)
 def batch_metadata(
     attention_mask: torch.Tensor, max_documents: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    valid, starts = _parse_checked_mask(attention_mask, max_documents)
-    batch, sequence = attention_mask.shape
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    valid, starts, broken = _parse_mask(attention_mask, max_documents)
+    sequence = attention_mask.shape[1]
     columns = torch.arange(sequence, device=valid.device)
     packed_token_indices = torch.where(valid, columns, -1)
     valid_seen = valid.cumsum(1)
@@ -149,7 +146,7 @@ def batch_metadata(
     cu_seqlens = boundaries.to(torch.int32)
     used = boundaries[:, 1:] >= 0
     lengths = torch.where(used, boundaries[:, 1:] - boundaries[:, :-1], 0)
-    return packed_token_indices, cu_seqlens, lengths.max().to(torch.int32), num_documents.squeeze(1)
+    return packed_token_indices, cu_seqlens, lengths.max().to(torch.int32), num_documents.squeeze(1), broken
 
 
 FLATTEN_RULES = (
@@ -158,10 +155,10 @@ FLATTEN_RULES = (
     "cu_seqlens rows must not hold a boundary after a -1 entry",
     "the last boundary of each cu_seqlens row must equal its number of valid tokens",
 )
-"""Data rules of batch-major metadata, in the order of :func:`flatten_violations`."""
+"""Data rules of batch-major metadata, in the order of the flatten op's flags."""
 
 
-def flatten_violations(packed_token_indices: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+def _flatten_violations(packed_token_indices: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
     """Bool ``[len(FLATTEN_RULES)]``: which rule of batch-major metadata is broken."""
     valid_tokens = packed_token_indices >= 0
     valid_bounds = cu_seqlens >= 0
@@ -181,7 +178,7 @@ def flatten_violations(packed_token_indices: torch.Tensor, cu_seqlens: torch.Ten
 
 
 def _flatten_metadata_fake(packed_token_indices: torch.Tensor, cu_seqlens: torch.Tensor):
-    """``indices [B*S]`` int64, ``cu_seqlens [B*D+1]`` in cu_seqlens' dtype, two 0-d counts."""
+    """``indices [B*S]`` int64, ``cu_seqlens [B*D+1]`` in cu_seqlens' dtype, two 0-d counts, flags ``[4]``."""
     batch, sequence = packed_token_indices.shape
     capacity = batch * (cu_seqlens.shape[1] - 1)
     return (
@@ -189,16 +186,14 @@ def _flatten_metadata_fake(packed_token_indices: torch.Tensor, cu_seqlens: torch
         cu_seqlens.new_empty(capacity + 1),
         cu_seqlens.new_empty((), dtype=torch.int64),
         cu_seqlens.new_empty((), dtype=torch.int64),
+        cu_seqlens.new_empty(len(FLATTEN_RULES), dtype=torch.bool),
     )
 
 
 @packfn_op("flatten_metadata", fake=_flatten_metadata_fake)
 def flatten_metadata(
     packed_token_indices: torch.Tensor, cu_seqlens: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    violations = flatten_violations(packed_token_indices, cu_seqlens)
-    for index, rule in enumerate(FLATTEN_RULES):
-        assert_async(~violations[index], rule)
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     batch, sequence = packed_token_indices.shape
     documents = cu_seqlens.shape[1] - 1
     device = packed_token_indices.device
@@ -228,4 +223,5 @@ def flatten_metadata(
     total = tokens_through[-1]
     flat = torch.where(inside, boundary, total)
     flat_cu_seqlens = torch.cat([flat.new_zeros(1), flat]).to(cu_seqlens.dtype)
-    return indices, flat_cu_seqlens, total.clone(), documents_through[-1].clone()
+    broken = _flatten_violations(packed_token_indices, cu_seqlens)
+    return indices, flat_cu_seqlens, total.clone(), documents_through[-1].clone(), broken
