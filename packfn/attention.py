@@ -35,15 +35,9 @@ from torch.nn.attention.flex_attention import BlockMask
 
 from packfn._checks import check_mask, check_positive_int, is_compiling
 from packfn._ops import attention as _ops
-from packfn._ops._registry import python_ints
-from packfn._ops.metadata import MASK_RULES, mask_violations
+from packfn._ops._registry import assert_async, python_ints
 from packfn.contract import DEFAULT_PACKED_SEQUENCE_CONTRACT, PackedSequenceContract
-from packfn.metadata import (
-    VarlenMetadata,
-    _raise_broken_rules,
-    batch_metadata,
-    build_packed_sequence_metadata,
-)
+from packfn.metadata import VarlenMetadata, batch_metadata, build_packed_sequence_metadata
 
 __all__ = [
     "PackedSeqParams",
@@ -51,20 +45,35 @@ __all__ = [
     "block_causal_mask",
     "document_block_mask",
     "document_mask_mod",
-    "pad",
     "packed_attention_inputs",
     "packed_seq_params_from_doc_ids",
+    "pad",
     "physical_varlen_metadata",
     "to_flash_attention_kwargs",
     "unpad",
 ]
 
 
-def _check_document_ids(document_ids: torch.Tensor, name: str = "document_ids") -> None:
-    """Shapes and dtype always; in eager also the data rules, as a ``ValueError`` (one host read)."""
-    check_mask(document_ids, name=name)
-    if not is_compiling():
-        _raise_broken_rules(mask_violations(document_ids), MASK_RULES)
+def _enforce(broken: torch.Tensor) -> None:
+    """Static path: sync-free asserts of an op's rule flags (a ``RuntimeError`` naming the rule)."""
+    for index, rule in enumerate(_ops.MASK_RULES):
+        assert_async(~broken[index], rule)
+
+
+def _checked_ints(values: list[torch.Tensor], bounds: list[int], broken: torch.Tensor) -> tuple[int, ...]:
+    """Drop-in path: read ``values`` as ints and the rule flags in one host sync; ``ValueError`` names a broken rule.
+
+    Under torch.compile / torch.export: sync-free asserts and unbacked SymInts.
+    """
+    if is_compiling():
+        _enforce(broken)
+        return python_ints(values, bounds)
+    rules = len(_ops.MASK_RULES)
+    code = (broken.long() * 2 ** torch.arange(rules, device=broken.device)).sum()
+    *ints, code = python_ints([*values, code], [*bounds, 2**rules - 1])
+    if code:
+        raise ValueError(_ops.MASK_RULES[(code & -code).bit_length() - 1])
+    return tuple(ints)
 
 
 # ------------------------------------------------------------- block causal
@@ -83,12 +92,14 @@ def block_causal_mask(document_ids: torch.Tensor) -> torch.Tensor:
 
     Raises:
         ValueError: the mask is not a non-empty ``[batch, sequence]`` integer
-            or bool tensor; in eager, negative or decreasing ids.
-        RuntimeError: (under torch.compile, asynchronously on a GPU) negative
-            or decreasing ids.
+            or bool tensor.
+        RuntimeError: (a sync-free assert, asynchronous on a GPU) negative or
+            decreasing ids.
     """
-    _check_document_ids(document_ids)
-    return _ops.block_causal_mask(document_ids)
+    check_mask(document_ids, name="document_ids")
+    mask, broken = _ops.block_causal_mask(document_ids)
+    _enforce(broken)
+    return mask
 
 
 # ------------------------------------------------------------ physical varlen
@@ -132,8 +143,9 @@ def physical_varlen_metadata(document_ids: torch.Tensor) -> PhysicalVarlenMetada
         ValueError: as :func:`block_causal_mask`.
         RuntimeError: as :func:`block_causal_mask`.
     """
-    _check_document_ids(document_ids)
-    cu_seqlens, max_seqlen, num_segments = _ops.physical_varlen_metadata(document_ids)
+    check_mask(document_ids, name="document_ids")
+    cu_seqlens, max_seqlen, num_segments, broken = _ops.physical_varlen_metadata(document_ids)
+    _enforce(broken)
     return PhysicalVarlenMetadata(cu_seqlens, max_seqlen, num_segments, document_ids.shape[1])
 
 
@@ -173,10 +185,10 @@ def packed_seq_params_from_doc_ids(doc_ids: torch.Tensor) -> PackedSeqParams:
     """
     if isinstance(doc_ids, torch.Tensor) and doc_ids.dim() != 2:
         raise ValueError(f"doc_ids must be 2D [batch, sequence], got shape {tuple(doc_ids.shape)}")
-    _check_document_ids(doc_ids, name="doc_ids")
+    check_mask(doc_ids, name="doc_ids")
     batch, sequence = doc_ids.shape
-    cu_seqlens, max_seqlen, num_segments = _ops.physical_varlen_metadata(doc_ids)
-    segments, longest = python_ints([num_segments, max_seqlen], [batch * sequence, sequence])
+    cu_seqlens, max_seqlen, num_segments, broken = _ops.physical_varlen_metadata(doc_ids)
+    segments, longest = _checked_ints([num_segments, max_seqlen], [batch * sequence, sequence], broken)
     return PackedSeqParams(cu_seqlens=cu_seqlens[: segments + 1], max_seqlen=longest, doc_ids=doc_ids)
 
 
@@ -262,15 +274,17 @@ def document_block_mask(
         :func:`document_mask_mod`.
 
     Raises:
-        ValueError: as :func:`block_causal_mask`, or a non-positive
-            ``block_size`` / ``window``.
+        ValueError / TypeError: as :func:`block_causal_mask`, or a
+            non-positive ``block_size`` / ``window``.
+        RuntimeError: as :func:`block_causal_mask`.
     """
-    _check_document_ids(document_ids)
+    check_mask(document_ids, name="document_ids")
     block_size = check_positive_int(block_size, "block_size")
     window = _check_window(window)
     if not isinstance(separate_full_blocks, bool):
         raise TypeError(f"separate_full_blocks must be a bool, got {type(separate_full_blocks).__name__}")
-    blocks = _ops.document_kv_blocks(document_ids, block_size, window, separate_full_blocks)
+    *blocks, broken = _ops.document_kv_blocks(document_ids, block_size, window, separate_full_blocks)
+    _enforce(broken)
     full_num_blocks, full_indices = (blocks[2], blocks[3]) if separate_full_blocks else (None, None)
     sequence = document_ids.shape[1]
     return BlockMask.from_kv_blocks(
@@ -333,13 +347,18 @@ def packed_attention_inputs(
         A dict: a model's ``**kwargs``, in the collater's key order.
 
     Raises:
-        ValueError: a malformed mask, pass-through tensors not shaped
-            ``[batch, sequence]``, or an unknown ``packed_mask_type``.
+        ValueError: a mask that is not a non-empty ``[batch, sequence]``
+            integer or bool tensor, pass-through tensors not shaped
+            ``[batch, sequence]``, an unknown ``packed_mask_type``; with
+            ``static=False`` also negative or decreasing ids.
+        RuntimeError: (``static=True``, a sync-free assert) negative or
+            decreasing ids.
     """
-    _check_document_ids(document_ids)
+    check_mask(document_ids, name="document_ids")
     mask_type = contract.packed_mask_type
     if mask_type not in ("block_causal", "document_ids", "flash_varlen"):
         raise ValueError(f"Unsupported packed_mask_type: {mask_type!r}")
+    batch, sequence = document_ids.shape
     result: dict[str, Any] = {}
     for name, tensor in (("input_ids", input_ids), ("labels", labels), ("position_ids", position_ids)):
         if tensor is None:
@@ -348,26 +367,39 @@ def packed_attention_inputs(
             shape = tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else type(tensor).__name__
             raise ValueError(f"{name} must have the shape of document_ids {tuple(document_ids.shape)}, got {shape}")
         result[name] = tensor
+    broken = varlen = None
     if mask_type == "block_causal":
-        result["attention_mask"] = _ops.block_causal_mask(document_ids)
+        result["attention_mask"], broken = _ops.block_causal_mask(document_ids)
     elif mask_type == "document_ids":
         result["attention_mask"] = document_ids
     else:
-        if static:
-            cu_seqlens, _, _ = _ops.physical_varlen_metadata(document_ids)
-            params = PackedSeqParams(cu_seqlens, document_ids.shape[1], document_ids)
-        else:
-            params = packed_seq_params_from_doc_ids(document_ids)
-        result.update(to_flash_attention_kwargs(params))
-    if contract.requires_packed_sequence_metadata:
-        if static:
+        *varlen, broken = _ops.physical_varlen_metadata(document_ids)
+    if static:
+        if broken is not None:
+            _enforce(broken)
+        if varlen is not None:
+            result.update(to_flash_attention_kwargs(PackedSeqParams(varlen[0], sequence, document_ids)))
+        if contract.requires_packed_sequence_metadata:
             metadata = batch_metadata(document_ids, max_documents=max_documents)
             result["packed_token_indices"] = metadata.packed_token_indices
             result["cu_seqlens"] = metadata.cu_seqlens
             result["max_seqlen"] = metadata.max_seqlen_bound
-        else:
-            result.update(build_packed_sequence_metadata(document_ids))
-    if static or contract.requires_packed_sequence_metadata or bool(document_ids.max() > 1):
+        result["_packed_seq_ids"] = document_ids
+        return result
+    # The collater's exact values: one host read of the sizes, the rule flags
+    # and whether an id exceeds 1.
+    several = (document_ids.max() > 1).to(torch.int64)
+    if varlen is None:
+        flags = broken if broken is not None else torch.zeros(len(_ops.MASK_RULES), dtype=torch.bool)
+        (several,) = _checked_ints([several], [1], flags.to(document_ids.device))
+    else:
+        several, segments, longest = _checked_ints(
+            [several, varlen[2], varlen[1]], [1, batch * sequence, sequence], broken
+        )
+        result.update(to_flash_attention_kwargs(PackedSeqParams(varlen[0][: segments + 1], longest, document_ids)))
+    if contract.requires_packed_sequence_metadata:
+        result.update(build_packed_sequence_metadata(document_ids))
+    if several or contract.requires_packed_sequence_metadata:
         result["_packed_seq_ids"] = document_ids
     return result
 

@@ -1,11 +1,15 @@
 """Ops that turn a document-id mask into attention inputs, and move activations in and out of varlen order.
 
-The packing format is the one of :mod:`packfn._ops.metadata`. Every op here
-checks the mask's data rules (:data:`packfn._ops.metadata.MASK_RULES`) with
-sync-free asserts, so a token attends exactly the earlier tokens of its row
-that carry the same id: padding (id 0) attends nothing and is attended by
-nothing, and padding inside a document does not split it (except in the
-physical varlen boundaries, which follow upstream and cut at every id change).
+The packing format is the one of :mod:`packfn._ops.metadata`: a token
+attends exactly the earlier tokens of its row that carry the same id, padding
+(id 0) attends nothing and is attended by nothing, and padding inside a
+document does not split it (except in the physical varlen boundaries, which
+follow upstream and cut at every id change).
+
+Every op that reads a mask never raises on its data: its last output is
+``broken``, bool ``[len(MASK_RULES)]``, one flag per rule, computed in the
+same pass. The public functions enforce the flags: sync-free asserts on the
+static path, one host read (shared with the read of the sizes) in the drop-ins.
 
 NOTE [Unpad and pad are each other's backward]
 ``unpad`` and ``pad`` are both gathers driven by the varlen permutation
@@ -27,8 +31,10 @@ leak), and the gradient of a padding token through ``unpad`` is zero.
 ``indices`` would be an indirect store; instead the inverse is read off the
 structure of ``indices`` with a binary search (a valid position ``j`` is the
 ``k``-th valid token where ``k`` counts the valid positions before it, a
-padding position is ``num_tokens + j - k``), and checked: ``indices`` gathered
-by the inverse must give back every position.
+padding position is ``num_tokens + j - k``), and checked with a sync-free assert
+inside the op (the one data check an op here makes itself: a wrong
+permutation would silently move activations): ``indices`` gathered by the
+inverse must give back every position.
 """
 
 from __future__ import annotations
@@ -37,52 +43,67 @@ import torch
 import torch.nn.functional as F
 
 from packfn._ops._registry import assert_async, packfn_op
-from packfn._ops.metadata import MASK_RULES, mask_violations
 
-__all__ = ["block_causal_mask", "document_kv_blocks", "pad", "physical_varlen_metadata", "unpad"]
+__all__ = ["MASK_RULES", "block_causal_mask", "document_kv_blocks", "pad", "physical_varlen_metadata", "unpad"]
+
+MASK_RULES = (
+    "document_ids must not contain negative document ids",
+    "document_ids must not decrease along a row (an id reappears after a different id, or ids are out of order)",
+)
+"""Data rules of a document-id mask, in the order of the ops' ``broken`` flags."""
 
 
-def _check_mask_rules(document_ids: torch.Tensor) -> None:
-    violations = mask_violations(document_ids)
-    for index, rule in enumerate(MASK_RULES):
-        assert_async(~violations[index], rule)
+def _broken(ids: torch.Tensor) -> torch.Tensor:
+    """Bool ``[len(MASK_RULES)]`` of int64 ``[batch, sequence]`` ids (the running maximum is the last valid id)."""
+    before = F.pad(ids.cummax(dim=1).values[:, :-1], (1, 0))
+    return torch.stack([(ids < 0).any(), ((ids != 0) & (ids < before)).any()])
+
+
+def _broken_fake(document_ids: torch.Tensor) -> torch.Tensor:
+    return document_ids.new_empty(len(MASK_RULES), dtype=torch.bool)
 
 
 # ------------------------------------------------------------- block causal
 
 
-def _block_causal_mask_fake(document_ids: torch.Tensor) -> torch.Tensor:
-    """Bool ``[batch, 1, sequence, sequence]``."""
+def _block_causal_mask_fake(document_ids: torch.Tensor):
+    """Bool ``[batch, 1, sequence, sequence]`` and the rule flags."""
     batch, sequence = document_ids.shape
-    return document_ids.new_empty(batch, 1, sequence, sequence, dtype=torch.bool)
+    return document_ids.new_empty(batch, 1, sequence, sequence, dtype=torch.bool), _broken_fake(document_ids)
 
 
 @packfn_op("block_causal_mask", fake=_block_causal_mask_fake)
-def block_causal_mask(document_ids: torch.Tensor) -> torch.Tensor:
-    _check_mask_rules(document_ids)
+def block_causal_mask(document_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     ids = document_ids.to(torch.int64)
     positions = torch.arange(ids.shape[1], device=ids.device)
     causal = positions.unsqueeze(1) >= positions.unsqueeze(0)
     # Same id and a valid query imply a valid key.
     same = (ids.unsqueeze(2) == ids.unsqueeze(1)) & (ids != 0).unsqueeze(2)
-    return (same & causal).unsqueeze(1)
+    return (same & causal).unsqueeze(1), _broken(ids)
 
 
 # ------------------------------------------------------------ physical varlen
 
 
 def _physical_varlen_metadata_fake(document_ids: torch.Tensor):
-    """``cu_seqlens [batch*sequence + 1]`` int32, ``max_seqlen`` int32 0-d, ``num_segments`` int64 0-d."""
+    """``cu_seqlens [batch*sequence + 1]`` int32, ``max_seqlen`` int32 0-d, ``num_segments`` int64 0-d, rule flags."""
     batch, sequence = document_ids.shape
     new = document_ids.new_empty
-    return new(batch * sequence + 1, dtype=torch.int32), new((), dtype=torch.int32), new((), dtype=torch.int64)
+    return (
+        new(batch * sequence + 1, dtype=torch.int32),
+        new((), dtype=torch.int32),
+        new((), dtype=torch.int64),
+        _broken_fake(document_ids),
+    )
 
 
 @packfn_op("physical_varlen_metadata", fake=_physical_varlen_metadata_fake)
-def physical_varlen_metadata(document_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    _check_mask_rules(document_ids)
+def physical_varlen_metadata(
+    document_ids: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     sequence = document_ids.shape[1]
-    flat = document_ids.to(torch.int64).reshape(-1)
+    ids = document_ids.to(torch.int64)
+    flat = ids.reshape(-1)
     positions = torch.arange(flat.numel(), device=flat.device)
     # A segment starts at every row start (a document that fills its row must
     # not merge with the next row's first one once flattened) and wherever the
@@ -94,14 +115,14 @@ def physical_varlen_metadata(document_ids: torch.Tensor) -> tuple[torch.Tensor, 
     targets = torch.arange(1, flat.numel() + 2, device=flat.device)
     cu_seqlens = torch.searchsorted(starts_seen, targets).to(torch.int32)
     max_seqlen = (cu_seqlens[1:] - cu_seqlens[:-1]).max()
-    return cu_seqlens, max_seqlen, starts_seen[-1].clone()
+    return cu_seqlens, max_seqlen, starts_seen[-1].clone(), _broken(ids)
 
 
 # ------------------------------------------------------------ flex attention
 
 
 def _document_kv_blocks_fake(document_ids: torch.Tensor, block_size: int, window: int | None, separate_full: bool):
-    """int32 ``kv_num_blocks [B, 1, Q]``, ``kv_indices [B, 1, Q, K]``, and the same two for full blocks."""
+    """int32 ``kv_num_blocks [B, 1, Q]``, ``kv_indices [B, 1, Q, K]``, the same two for full blocks, rule flags."""
     batch, sequence = document_ids.shape
     blocks = -(-sequence // block_size)
     new = document_ids.new_empty
@@ -111,6 +132,7 @@ def _document_kv_blocks_fake(document_ids: torch.Tensor, block_size: int, window
         new(indices, dtype=torch.int32),
         new(counts, dtype=torch.int32),
         new(indices, dtype=torch.int32),
+        _broken_fake(document_ids),
     )
 
 
@@ -124,17 +146,16 @@ def _ordered(dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 @packfn_op("document_kv_blocks", fake=_document_kv_blocks_fake)
 def document_kv_blocks(
     document_ids: torch.Tensor, block_size: int, window: int | None, separate_full: bool
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     # Ids never decrease along the valid tokens of a row, so a key block j
     # strictly before query block i shares a document with it only through
     # its last id, which must be the first id of block i; the nearest pair is
     # (last valid key of j, first valid query of i), which decides the window.
     # The diagonal block holds each valid query attending itself.
-    _check_mask_rules(document_ids)
     batch, sequence = document_ids.shape
     blocks = -(-sequence // block_size)
-    ids = F.pad(document_ids.to(torch.int64), (0, blocks * block_size - sequence))
-    ids = ids.reshape(batch, blocks, block_size)
+    unpadded = document_ids.to(torch.int64)
+    ids = F.pad(unpadded, (0, blocks * block_size - sequence)).reshape(batch, blocks, block_size)
     valid = ids != 0
     positions = torch.arange(blocks * block_size, device=ids.device).reshape(blocks, block_size)
     past_end = blocks * block_size + 1
@@ -167,7 +188,7 @@ def document_kv_blocks(
         partial, full = present, torch.zeros_like(present)
     kv_num_blocks, kv_indices = _ordered(partial.unsqueeze(1))
     full_kv_num_blocks, full_kv_indices = _ordered(full.unsqueeze(1))
-    return kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices
+    return kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, _broken(unpadded)
 
 
 # --------------------------------------------------------------- unpad / pad
