@@ -33,9 +33,9 @@ from typing import Any, NamedTuple
 import torch
 from torch.nn.attention.flex_attention import BlockMask
 
-from packfn._checks import check_mask, check_positive_int, is_compiling
+from packfn._checks import check_mask, check_positive_int
 from packfn._ops import attention as _ops
-from packfn._ops._registry import assert_async, python_ints
+from packfn._ops._registry import assert_rules, checked_ints
 from packfn.contract import DEFAULT_PACKED_SEQUENCE_CONTRACT, PackedSequenceContract
 from packfn.metadata import VarlenMetadata, batch_metadata, build_packed_sequence_metadata
 
@@ -56,24 +56,12 @@ __all__ = [
 
 def _enforce(broken: torch.Tensor) -> None:
     """Static path: sync-free asserts of an op's rule flags (a ``RuntimeError`` naming the rule)."""
-    for index, rule in enumerate(_ops.MASK_RULES):
-        assert_async(~broken[index], rule)
+    assert_rules(broken, _ops.MASK_RULES)
 
 
 def _checked_ints(values: list[torch.Tensor], bounds: list[int], broken: torch.Tensor) -> tuple[int, ...]:
-    """Drop-in path: read ``values`` as ints and the rule flags in one host sync; ``ValueError`` names a broken rule.
-
-    Under torch.compile / torch.export: sync-free asserts and unbacked SymInts.
-    """
-    if is_compiling():
-        _enforce(broken)
-        return python_ints(values, bounds)
-    rules = len(_ops.MASK_RULES)
-    code = (broken.long() * 2 ** torch.arange(rules, device=broken.device)).sum()
-    *ints, code = python_ints([*values, code], [*bounds, 2**rules - 1])
-    if code:
-        raise ValueError(_ops.MASK_RULES[(code & -code).bit_length() - 1])
-    return tuple(ints)
+    """Drop-in path: the ints and the rule flags in one host read; ``ValueError`` names a broken rule."""
+    return checked_ints(values, bounds, broken, _ops.MASK_RULES)
 
 
 # ------------------------------------------------------------- block causal
