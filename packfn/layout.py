@@ -325,11 +325,14 @@ def packed_layout(
     )
     (row_length,) = python_ints([_round_up(longest.clamp_min(floor), alignment)], [bound])
     torch._check(row_length >= 1)
+    # Contiguous like upstream's (and eager's) fields; it also keeps Inductor
+    # from passing a saved slice to the backward with other strides than the
+    # ones it planned for.
     return PackedSequenceLayout(
-        source_indices[:, :row_length],
+        source_indices[:, :row_length].contiguous(),
         input_positions,
-        position_ids[:, :row_length],
-        sequence_ids[:, :row_length],
+        position_ids[:, :row_length].contiguous(),
+        sequence_ids[:, :row_length].contiguous(),
     )
 
 

@@ -100,25 +100,27 @@ class DocumentTable(NamedTuple):
         return F.pad(self.aligned_bounds[:, -1], (0, 1)).max()
 
 
-def _document_of(bounds: torch.Tensor, columns: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """For each column ``[batch, columns]``: the slot whose span holds it and the offset into that span.
+def _slots(bounds: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
+    """``[batch, len(starts)]``: the slot whose span holds each position of ``starts`` (1-d, int64).
 
     ``bounds`` is ``[batch, documents + 1]`` running starts. Slots of zero
     width are skipped (the search takes the last start at or before the
-    column); columns at or past the row total get slot ``documents``.
+    position); positions at or past the row total get slot ``documents``.
     """
-    batch = bounds.shape[0]
-    positions = torch.arange(columns, device=bounds.device)
-    queries = positions.expand(batch, columns).contiguous()
-    slot = torch.searchsorted(bounds, queries, right=True) - 1
-    offset = positions - bounds.gather(1, slot)
-    return slot, offset
+    queries = starts.expand(bounds.shape[0], starts.shape[0]).contiguous()
+    return torch.searchsorted(bounds, queries, right=True) - 1
+
+
+def _check_length(alignment: int, length: int) -> None:
+    if alignment < 1 or length % alignment != 0:
+        raise ValueError(f"length={length} must be a multiple of a positive alignment={alignment}")
 
 
 def _aligned_layout_fake(
     seq_lens: torch.Tensor, seq_lens_padded: torch.Tensor, sequence_length: int, alignment: int, length: int
 ):
     """``source_indices``, ``position_ids``, ``sequence_ids`` ``[B, length]``, ``input_positions [B, S]``, 0-d need."""
+    _check_length(alignment, length)
     batch = seq_lens.shape[0]
     new = seq_lens.new_empty
     return (
@@ -134,6 +136,7 @@ def _aligned_layout_fake(
 def aligned_layout(
     seq_lens: torch.Tensor, seq_lens_padded: torch.Tensor, sequence_length: int, alignment: int, length: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    _check_length(alignment, length)
     table = DocumentTable.build(seq_lens, seq_lens_padded, alignment)
     violations = table.violations(sequence_length).flatten(0, 1).any(0)
     for index, rule in enumerate(LAYOUT_RULES):
@@ -141,19 +144,35 @@ def aligned_layout(
     longest = table.longest()
     assert_async(longest <= length, f"the aligned documents of a row do not fit length={length}")
     real, input_bounds, aligned_bounds = table.real, table.input_bounds, table.aligned_bounds
-    # Slot `documents` (past the last document) reads zeros: a real length of
-    # 0 makes every column it gets padding.
+    batch, device = real.shape[0], real.device
+    # Slot `documents` (past the last document) reads a real length of 0, so
+    # every column it gets is padding.
     real = F.pad(real, (0, 1))
 
-    slot, offset = _document_of(aligned_bounds, length)
-    inside = offset < real.gather(1, slot)
-    source_indices = torch.where(inside, input_bounds.gather(1, slot) + offset, -1)
-    position_ids = torch.where(inside, offset, 0)
-    sequence_ids = torch.where(inside, slot + 1, 0)
+    # Aligned row: every document starts on a multiple of `alignment`, so
+    # one binary search per block of `alignment` columns finds its slot, and
+    # the columns inside a block follow by broadcasting (no per-column search
+    # or gather).
+    block_starts = torch.arange(0, length, alignment, device=device)
+    slot = _slots(aligned_bounds, block_starts)
+    first = block_starts - aligned_bounds.gather(1, slot)  # position in the document of the block's first column
+    remaining = (real.gather(1, slot) - first).unsqueeze(-1)
+    within = torch.arange(alignment, device=device)
+    inside = within < remaining
+    source_first = (input_bounds.gather(1, slot) + first).unsqueeze(-1)
+    source_indices = torch.where(inside, source_first + within, -1).reshape(batch, length)
+    position_ids = torch.where(inside, first.unsqueeze(-1) + within, 0).reshape(batch, length)
+    sequence_ids = torch.where(inside, slot.unsqueeze(-1) + 1, 0).reshape(batch, length)
 
-    slot, offset = _document_of(input_bounds, sequence_length)
-    inside = offset < real.gather(1, slot)
-    input_positions = torch.where(inside, aligned_bounds.gather(1, slot) + offset, -1)
+    # Input row: spans are not aligned, so each column searches its slot;
+    # it is real up to the slot's start plus its real length and moves by
+    # the slot's shift from input start to aligned start.
+    columns = torch.arange(sequence_length, device=device)
+    slot = _slots(input_bounds, columns)
+    real_ends = F.pad(input_bounds[:, :-1], (0, 1)) + real
+    shifts = aligned_bounds - input_bounds
+    inside = columns < real_ends.gather(1, slot)
+    input_positions = torch.where(inside, columns + shifts.gather(1, slot), -1)
     return source_indices, position_ids, sequence_ids, input_positions, longest
 
 
