@@ -1,0 +1,157 @@
+"""End-to-end runs of the scripts at tiny sizes: profile (and its TensorBoard view), export, bench.
+
+Each script is called in-process through its ``main(argv)``; timings are never checked.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from scripts import export as export_script  # noqa: E402
+from scripts import profile as profile_script  # noqa: E402
+
+TINY_MODEL = ["--batch", "2", "--sequence", "64", "--mean", "16", "--hidden", "32", "--heads", "2", "--layers", "1"]
+PROFILE_INSTALL = "pip install -e '.[profile]'"
+TENSORBOARD_WAIT_S = 90
+
+
+@pytest.fixture(scope="module")
+def profiled(tmp_path_factory) -> tuple[Path, str]:
+    """Run ``scripts/profile.py`` once at tiny sizes: ``(out folder, printed output)``."""
+    import contextlib
+    import io
+
+    out = tmp_path_factory.mktemp("profiles")
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        code = profile_script.main(
+            [*TINY_MODEL, "--vocab", "64", "--steps", "3", "--out", str(out), "--run-name", "tiny"]
+        )
+    assert code == 0
+    return out, printed.getvalue()
+
+
+def test_profile_writes_a_trace_and_reports_no_graph_break_or_recompile(profiled):
+    out, printed = profiled
+    traces = list((out / "tiny").glob("*.pt.trace.json*"))
+    assert traces, f"no trace file under {out / 'tiny'}"
+    report = printed[printed.index("== packfn profile report ==") :]
+    assert "graph breaks:      0\n" in report
+    assert "recompiles:        0  (frames compiled: 1," in report
+    assert "median step:       packfn compiled" in report
+    assert "0 packfn:: calls" in report  # the compiled step calls back into no packfn op
+    for step in range(3):
+        assert f"step {step:>3}  packfn compiled" in printed
+
+
+def test_profile_compares_with_upstream_eager_on_equal_losses(profiled):
+    pytest.importorskip("nemo_automodel.components.models.deepseek_v41.packing")
+    _, printed = profiled
+    assert "upstream eager" in printed
+    parity = next(line for line in printed.splitlines() if line.startswith("loss parity:"))
+    assert float(parity.rsplit("|diff| ", 1)[1].rstrip(")")) < 1e-4
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _get(url: str) -> bytes:
+    with urllib.request.urlopen(url, timeout=30) as response:
+        assert response.status == 200, url
+        return response.read()
+
+
+def _get_json(base: str, route: str, **query: str):
+    return json.loads(_get(f"{base}/{route}?{urllib.parse.urlencode(query)}"))
+
+
+def test_tensorboard_profiler_plugin_serves_the_run(profiled, tmp_path):
+    try:
+        import tensorboard  # noqa: F401
+        import torch_tb_profiler  # noqa: F401
+    except ImportError as error:
+        pytest.fail(f"TensorBoard with torch-tb-profiler is needed ({error}): {PROFILE_INSTALL}")
+    out, _ = profiled
+    port = _free_port()
+    log = tmp_path / "tensorboard.log"
+    command = [sys.executable, "-m", "tensorboard.main", "--logdir", str(out), "--host", "127.0.0.1"]
+    with log.open("w") as sink:
+        server = subprocess.Popen([*command, "--port", str(port)], stdout=sink, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}/data/plugin/pytorch_profiler"
+    try:
+        deadline = time.monotonic() + TENSORBOARD_WAIT_S
+        runs: dict = {}
+        while time.monotonic() < deadline:
+            if server.poll() is not None:
+                pytest.fail(f"tensorboard exited with {server.returncode}:\n{log.read_text()[-3000:]}")
+            try:
+                runs = _get_json(base, "runs")
+            except (urllib.error.URLError, ConnectionError, json.JSONDecodeError):
+                runs = {}
+            if "tiny" in runs.get("runs", []) and not runs.get("loading", True):
+                break
+            time.sleep(1)
+        else:
+            pytest.fail(f"the profiler plugin did not list the run within {TENSORBOARD_WAIT_S} s: {runs}")
+
+        views = _get_json(base, "views", run="tiny")
+        assert "Overview" in views and "Trace" in views
+        workers = _get_json(base, "workers", run="tiny", view="Overview")
+        assert workers
+        spans = _get_json(base, "spans", run="tiny", worker=workers[0])
+        assert spans
+        profile = {"run": "tiny", "worker": workers[0], "span": spans[0]}
+        overview = _get_json(base, "overview", **profile)
+        assert overview["steps"]["rows"], overview
+        operations = _get_json(base, "operation/table", group_by="Operation", **profile)
+        assert operations["data"]
+        assert _get(f"{base}/trace?{urllib.parse.urlencode(profile)}")
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+
+
+def test_export_round_trip_through_decompositions_and_aoti_package(tmp_path):
+    report = export_script.run(
+        export_script.parse_args([*TINY_MODEL, "--vocab", "64", "--batches", "2", "--out", str(tmp_path)])
+    )
+    assert report.ok
+    assert {"packfn.batch_metadata.default", "packfn.aligned_layout.default"} <= set(report.exported_packfn_nodes)
+    assert not report.decomposed_packfn_nodes
+    assert (tmp_path / "packed_decoder.pt2").is_file()
+    assert len(report.aoti_max_errors) == 2
+
+
+def test_bench_smoke_writes_rows_of_the_documented_shape(tmp_path, capsys):
+    from scripts import bench
+
+    json_path, plot_path = tmp_path / "b.json", tmp_path / "b.png"
+    argv = ["--sequences", "64", "--means", "16", "--repeats", "1", "--families", "metadata"]
+    assert bench.main([*argv, "--json", str(json_path), "--plot", str(plot_path)]) == 0
+    result = json.loads(json_path.read_text())
+    assert {"torch", "rows"} <= set(result)
+    assert result["rows"]
+    for row in result["rows"]:
+        assert {"family", "case", "sequence", "mean", "variant", "median_ms", "speedup"} <= set(row)
+        assert row["family"] == "metadata" and row["sequence"] == 64 and row["mean"] == 16
