@@ -43,6 +43,7 @@ import torch
 import torch.nn.functional as F
 
 from packfn._ops._registry import assert_async, packfn_op
+from packfn._ops.metadata import _compact
 
 __all__ = ["MASK_RULES", "block_causal_mask", "document_kv_blocks", "pad", "physical_varlen_metadata", "unpad"]
 
@@ -109,13 +110,15 @@ def physical_varlen_metadata(
     # not merge with the next row's first one once flattened) and wherever the
     # id changes, so padding runs are segments of their own.
     starts = (positions % sequence == 0) | (flat != F.pad(flat[:-1], (1, 0)))
-    starts_seen = starts.cumsum(0)
+    num_segments = starts.sum()
     # Boundary k is the position of the (k+1)-th start, the total once k
     # passes the last segment (empty trailing segments).
-    targets = torch.arange(1, flat.numel() + 2, device=flat.device)
-    cu_seqlens = torch.searchsorted(starts_seen, targets).to(torch.int32)
+    slots = flat.numel() + 1
+    boundaries = _compact(starts, positions, slots)
+    cu_seqlens = torch.where(torch.arange(slots, device=flat.device) < num_segments, boundaries, flat.numel())
+    cu_seqlens = cu_seqlens.to(torch.int32)
     max_seqlen = (cu_seqlens[1:] - cu_seqlens[:-1]).max()
-    return cu_seqlens, max_seqlen, starts_seen[-1].clone(), _broken(ids)
+    return cu_seqlens, max_seqlen, num_segments, _broken(ids)
 
 
 # ------------------------------------------------------------ flex attention
