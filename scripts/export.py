@@ -33,8 +33,8 @@ if str(_REPO) not in sys.path:
 
 import torch  # noqa: E402
 
-from scripts.packed_decoder import make_batches  # noqa: E402
-from scripts.profile import DecoderConfig, PackedDecoder  # noqa: E402
+from scripts.packed_decoder import add_model_arguments, batches_and_config  # noqa: E402
+from scripts.profile import PackedDecoder  # noqa: E402
 
 __all__ = ["ExportReport", "main", "packfn_nodes", "run"]
 
@@ -82,16 +82,8 @@ class ExportReport:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--batch", type=int, default=2)
-    parser.add_argument("--sequence", type=int, default=128)
-    parser.add_argument("--mean", type=int, default=32, help="mean document length (exponential draw)")
-    parser.add_argument("--hidden", type=int, default=64)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--vocab", type=int, default=128)
-    parser.add_argument("--alignment", type=int, default=16)
+    add_model_arguments(parser, batch=2, sequence=128, mean=32, hidden=64, layers=2, vocab=128)
     parser.add_argument("--batches", type=int, default=3, help="batches the loaded package is checked on")
-    parser.add_argument("--device", default="cpu")
     parser.add_argument("--out", type=Path, default=None, help="folder for packed_decoder.pt2 (default: temporary)")
     parser.add_argument("--atol", type=float, default=1e-4)
     parser.add_argument("--rtol", type=float, default=1e-4)
@@ -107,23 +99,7 @@ def _max_error(actual: torch.Tensor, expected: torch.Tensor, atol: float, rtol: 
 def run(arguments: argparse.Namespace) -> ExportReport:
     """Export, decompose, package, load and check (raises ``AssertionError`` on a failed check)."""
     device = torch.device(arguments.device)
-    batches = make_batches(
-        arguments.batches + 1,
-        batch=arguments.batch,
-        sequence=arguments.sequence,
-        mean=arguments.mean,
-        vocab=arguments.vocab,
-        device=device,
-    )
-    config = DecoderConfig(
-        sequence=arguments.sequence,
-        max_documents=max(batch.seq_lens.shape[1] for batch in batches),
-        vocab=arguments.vocab,
-        hidden=arguments.hidden,
-        layers=arguments.layers,
-        heads=arguments.heads,
-        alignment=arguments.alignment,
-    )
+    batches, config = batches_and_config(arguments, arguments.batches + 1)
     torch.manual_seed(0)
     model = PackedDecoder(config).to(device).eval()
     example = (batches[0].input_ids, batches[0].document_ids)

@@ -44,6 +44,8 @@ __all__ = [
     "Batch",
     "DecoderConfig",
     "PackedDecoder",
+    "add_model_arguments",
+    "batches_and_config",
     "eager_block_causal_mask",
     "lengths_from_boundaries",
     "make_batches",
@@ -272,3 +274,39 @@ def make_batches(
         labels = F.pad(labels, (0, 1), value=IGNORE_INDEX)
         result.append(Batch(input_ids, document_ids, labels, inputs.seq_lens))
     return result
+
+
+def add_model_arguments(parser, *, batch: int, sequence: int, mean: int, hidden: int, layers: int, vocab: int) -> None:
+    """The model and input flags the scripts share, with a script's defaults."""
+    parser.add_argument("--batch", type=int, default=batch)
+    parser.add_argument("--sequence", type=int, default=sequence)
+    parser.add_argument("--mean", type=int, default=mean, help="mean document length (exponential draw)")
+    parser.add_argument("--hidden", type=int, default=hidden)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--layers", type=int, default=layers)
+    parser.add_argument("--vocab", type=int, default=vocab)
+    parser.add_argument("--alignment", type=int, default=16, help="alignment of document starts in packed rows")
+    parser.add_argument("--device", default="cpu")
+
+
+def batches_and_config(arguments, steps: int) -> tuple[list[Batch], DecoderConfig]:
+    """``steps`` batches from the flags of :func:`add_model_arguments`, and the config whose ``D`` fits them all."""
+    batches = make_batches(
+        steps,
+        batch=arguments.batch,
+        sequence=arguments.sequence,
+        mean=arguments.mean,
+        vocab=arguments.vocab,
+        device=arguments.device,
+    )
+    config = DecoderConfig(
+        sequence=arguments.sequence,
+        max_documents=max(batch.seq_lens.shape[1] for batch in batches),  # the packer's cap D
+        vocab=arguments.vocab,
+        hidden=arguments.hidden,
+        layers=arguments.layers,
+        heads=arguments.heads,
+        alignment=arguments.alignment,
+        attention=getattr(arguments, "attention", "sdpa"),
+    )
+    return batches, config

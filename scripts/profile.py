@@ -71,7 +71,8 @@ else:
     from scripts.packed_decoder import (
         DecoderConfig,
         PackedDecoder,
-        make_batches,
+        add_model_arguments,
+        batches_and_config,
         packed_loss,
         upstream_available,
         upstream_loss,
@@ -230,17 +231,9 @@ def summarize_trace(path: str | Path) -> TraceSummary:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--sequence", type=int, default=512)
-    parser.add_argument("--mean", type=int, default=96, help="mean document length (exponential draw)")
-    parser.add_argument("--hidden", type=int, default=128)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--vocab", type=int, default=256)
-    parser.add_argument("--alignment", type=int, default=16)
+    add_model_arguments(parser, batch=4, sequence=512, mean=96, hidden=128, layers=2, vocab=256)
     parser.add_argument("--steps", type=int, default=8, help="training steps per driver (the first compiles)")
     parser.add_argument("--attention", choices=("sdpa", "flex"), default="sdpa")
-    parser.add_argument("--device", default="cpu")
     parser.add_argument("--out", type=Path, default=Path("profiles"))
     parser.add_argument("--run-name", default=None, help="run folder under --out (default: decoder_<sizes>_<time>)")
     parser.add_argument("--no-upstream", action="store_true", help="skip the upstream eager comparison")
@@ -288,26 +281,8 @@ def run(arguments: argparse.Namespace) -> ProfileReport:
         raise SystemExit("--device cuda requested but CUDA is not available")
     if arguments.attention == "flex" and device.type == "cpu":
         raise SystemExit("--attention flex needs a GPU for training: FlexAttention has no CPU backward in torch 2.13")
-    batches = make_batches(
-        arguments.steps,
-        batch=arguments.batch,
-        sequence=arguments.sequence,
-        mean=arguments.mean,
-        vocab=arguments.vocab,
-        device=device,
-    )
-    # The packer's cap D: the most documents any row of any batch holds.
-    cap = max(batch.seq_lens.shape[1] for batch in batches)
-    config = DecoderConfig(
-        sequence=arguments.sequence,
-        max_documents=cap,
-        vocab=arguments.vocab,
-        hidden=arguments.hidden,
-        layers=arguments.layers,
-        heads=arguments.heads,
-        alignment=arguments.alignment,
-        attention=arguments.attention,
-    )
+    batches, config = batches_and_config(arguments, arguments.steps)
+    cap = config.max_documents
     torch.manual_seed(0)
     model = PackedDecoder(config).to(device)
     reference = copy.deepcopy(model)
