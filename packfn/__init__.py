@@ -1,11 +1,33 @@
-"""packfn: packed-sequence metadata as compilable, exportable torch.library ops."""
+"""packfn: packed-sequence metadata as compilable, exportable torch.library ops.
 
+Three layers: :mod:`packfn.contract` (what a model asks for, pure Python),
+:mod:`packfn._ops` (the ``packfn::*`` ops: fake, eager kernel, Inductor
+decomposition, autograd) and the public functions below, each a static
+(fixed-capacity, sync-free) form and, where NeMo AutoModel 0.7.0 has one, an
+exact drop-in.
+"""
+
+import packfn._ops  # noqa: F401  (registers every op)
+from packfn.attention import (
+    PackedSeqParams,
+    PhysicalVarlenMetadata,
+    block_causal_mask,
+    document_block_mask,
+    document_mask_mod,
+    packed_attention_inputs,
+    packed_seq_params_from_doc_ids,
+    pad,
+    physical_varlen_metadata,
+    to_flash_attention_kwargs,
+    unpad,
+)
 from packfn.contract import (
     DEFAULT_PACKED_SEQUENCE_CONTRACT,
     PackedMaskType,
     PackedSequenceContract,
     resolve_packing_contract,
 )
+from packfn.layout import PackedSequenceLayout, aligned_layout, aligned_length, packed_layout
 from packfn.metadata import (
     BatchMetadata,
     PackedSequenceMetadata,
@@ -23,15 +45,30 @@ __all__ = [
     "DEFAULT_PACKED_SEQUENCE_CONTRACT",
     "BatchMetadata",
     "PackedMaskType",
+    "PackedSeqParams",
     "PackedSequenceContract",
+    "PackedSequenceLayout",
     "PackedSequenceMetadata",
+    "PhysicalVarlenMetadata",
     "VarlenMetadata",
+    "aligned_layout",
+    "aligned_length",
     "batch_metadata",
+    "block_causal_mask",
     "build_packed_sequence_metadata",
+    "document_block_mask",
+    "document_mask_mod",
     "flatten_metadata",
     "flatten_packed_sequence_metadata",
     "get_seqlens_in_batch",
     "get_unpad_data",
+    "packed_attention_inputs",
+    "packed_layout",
+    "packed_seq_params_from_doc_ids",
+    "pad",
+    "physical_varlen_metadata",
     "resolve_packing_contract",
+    "to_flash_attention_kwargs",
+    "unpad",
     "varlen_metadata",
 ]

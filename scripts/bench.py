@@ -154,6 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     arguments.json.write_text(json.dumps(report, indent=1))
     print(f"wrote {arguments.json}")
+    arguments.plot.parent.mkdir(parents=True, exist_ok=True)
     if plot(rows, arguments.plot):
         print(f"wrote {arguments.plot}")
     return 0

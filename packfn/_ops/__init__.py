@@ -1,3 +1,3 @@
 """Op families registered in the ``packfn`` namespace (importing a module registers its ops)."""
 
-from packfn._ops import metadata  # noqa: F401
+from packfn._ops import attention, layout, metadata  # noqa: F401
