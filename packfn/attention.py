@@ -35,7 +35,7 @@ from torch.nn.attention.flex_attention import BlockMask
 
 from packfn._checks import check_mask, check_positive_int
 from packfn._ops import attention as _ops
-from packfn._ops._registry import assert_rules, checked_ints
+from packfn._ops._registry import assert_rules, checked_ints, python_ints
 from packfn.contract import DEFAULT_PACKED_SEQUENCE_CONTRACT, PackedSequenceContract
 from packfn.metadata import VarlenMetadata, batch_metadata, build_packed_sequence_metadata
 
@@ -132,8 +132,7 @@ def physical_varlen_metadata(document_ids: torch.Tensor) -> PhysicalVarlenMetada
         RuntimeError: as :func:`block_causal_mask`.
     """
     check_mask(document_ids, name="document_ids")
-    cu_seqlens, max_seqlen, num_segments, broken = _ops.physical_varlen_metadata(document_ids)
-    _enforce(broken)
+    cu_seqlens, max_seqlen, num_segments = _ops.physical_varlen_metadata(document_ids)
     return PhysicalVarlenMetadata(cu_seqlens, max_seqlen, num_segments, document_ids.shape[1])
 
 
@@ -175,8 +174,8 @@ def packed_seq_params_from_doc_ids(doc_ids: torch.Tensor) -> PackedSeqParams:
         raise ValueError(f"doc_ids must be 2D [batch, sequence], got shape {tuple(doc_ids.shape)}")
     check_mask(doc_ids, name="doc_ids")
     batch, sequence = doc_ids.shape
-    cu_seqlens, max_seqlen, num_segments, broken = _ops.physical_varlen_metadata(doc_ids)
-    segments, longest = _checked_ints([num_segments, max_seqlen], [batch * sequence, sequence], broken)
+    cu_seqlens, max_seqlen, num_segments = _ops.physical_varlen_metadata(doc_ids)
+    segments, longest = python_ints([num_segments, max_seqlen], [batch * sequence, sequence])
     return PackedSeqParams(cu_seqlens=cu_seqlens[: segments + 1], max_seqlen=longest, doc_ids=doc_ids)
 
 
@@ -361,7 +360,7 @@ def packed_attention_inputs(
     elif mask_type == "document_ids":
         result["attention_mask"] = document_ids
     else:
-        *varlen, broken = _ops.physical_varlen_metadata(document_ids)
+        varlen = _ops.physical_varlen_metadata(document_ids)
     if static:
         if broken is not None:
             _enforce(broken)
@@ -381,9 +380,7 @@ def packed_attention_inputs(
         flags = broken if broken is not None else torch.zeros(len(_ops.MASK_RULES), dtype=torch.bool)
         (several,) = _checked_ints([several], [1], flags.to(document_ids.device))
     else:
-        several, segments, longest = _checked_ints(
-            [several, varlen[2], varlen[1]], [1, batch * sequence, sequence], broken
-        )
+        several, segments, longest = python_ints([several, varlen[2], varlen[1]], [1, batch * sequence, sequence])
         result.update(to_flash_attention_kwargs(PackedSeqParams(varlen[0][: segments + 1], longest, document_ids)))
     if contract.requires_packed_sequence_metadata:
         result.update(build_packed_sequence_metadata(document_ids))

@@ -87,24 +87,25 @@ def block_causal_mask(document_ids: torch.Tensor) -> tuple[torch.Tensor, torch.T
 
 
 def _physical_varlen_metadata_fake(document_ids: torch.Tensor):
-    """``cu_seqlens [batch*sequence + 1]`` int32, ``max_seqlen`` int32 0-d, ``num_segments`` int64 0-d, rule flags."""
+    """``cu_seqlens [batch*sequence + 1]`` int32, ``max_seqlen`` int32 0-d, ``num_segments`` int64 0-d."""
     batch, sequence = document_ids.shape
     new = document_ids.new_empty
     return (
         new(batch * sequence + 1, dtype=torch.int32),
         new((), dtype=torch.int32),
         new((), dtype=torch.int64),
-        _broken_fake(document_ids),
     )
 
 
 @packfn_op("physical_varlen_metadata", fake=_physical_varlen_metadata_fake)
 def physical_varlen_metadata(
     document_ids: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    # Segments are runs of equal ids, whatever the ids are: unlike the
+    # document view, nothing here relies on ids increasing, so there are no
+    # rule flags (upstream accepts any integer ids too).
     sequence = document_ids.shape[1]
-    ids = document_ids.to(torch.int64)
-    flat = ids.reshape(-1)
+    flat = document_ids.reshape(-1)
     positions = torch.arange(flat.numel(), device=flat.device)
     # A segment starts at every row start (a document that fills its row must
     # not merge with the next row's first one once flattened) and wherever the
@@ -118,7 +119,7 @@ def physical_varlen_metadata(
     cu_seqlens = torch.where(torch.arange(slots, device=flat.device) < num_segments, boundaries, flat.numel())
     cu_seqlens = cu_seqlens.to(torch.int32)
     max_seqlen = (cu_seqlens[1:] - cu_seqlens[:-1]).max()
-    return cu_seqlens, max_seqlen, num_segments, _broken(ids)
+    return cu_seqlens, max_seqlen, num_segments
 
 
 # ------------------------------------------------------------ flex attention
