@@ -118,13 +118,28 @@ def test_drop_ins_compile_without_graph_breaks_or_recompiles():
             assert_equal_nested(compiled_drop_ins(mask), drop_in_path(mask))
 
 
-def test_one_dynamic_compile_serves_several_sequence_lengths():
+def default_capacity_path(mask):
+    """The default capacity ``D = sequence`` is symbolic under dynamic shapes."""
+    flat, batch = packfn.varlen_metadata(mask), packfn.batch_metadata(mask)
+    return (*flat[:6], *batch[:4])
+
+
+@pytest.mark.parametrize("path", [static_path, default_capacity_path])
+def test_one_dynamic_compile_serves_several_sequence_lengths(path):
     counter = CompileCounterWithBackend("inductor")
-    compiled = torch.compile(lambda mask: static_path(mask), backend=counter, fullgraph=True, dynamic=True)
+    compiled = torch.compile(lambda mask: path(mask), backend=counter, fullgraph=True, dynamic=True)
     for sequence in (12, 20, 33):
         mask = random_mask(2, sequence, seed=sequence)
-        assert_equal_nested(compiled(mask), static_path(mask))
+        assert_equal_nested(compiled(mask), path(mask))
     assert counter.frame_count == 1
+
+
+def test_changing_capacity_compiles_without_graph_breaks():
+    """A capacity that changes between calls becomes a SymInt (automatic dynamic), which messages must survive."""
+    compiled = torch.compile(lambda mask, capacity: packfn.varlen_metadata(mask, max_documents=capacity)[:6])
+    mask = random_mask(2, 16, seed=1)
+    for capacity in (4, 5, 6):
+        assert_equal_nested(compiled(mask, capacity), packfn.varlen_metadata(mask, max_documents=capacity)[:6])
 
 
 def test_large_sequence_compiles_to_the_eager_result():

@@ -31,7 +31,7 @@ from torch._C import DispatchKey
 
 NAMESPACE = "packfn"
 
-__all__ = ["NAMESPACE", "assert_async", "assert_rules", "checked_ints", "packfn_op", "python_ints"]
+__all__ = ["NAMESPACE", "assert_async", "assert_rules", "checked_ints", "named_value", "packfn_op", "python_ints"]
 
 
 def packfn_op(
@@ -66,6 +66,15 @@ def packfn_op(
         return op
 
     return register
+
+
+def named_value(name: str, value: object) -> str:
+    """``"name=value"`` for a message in eager; just ``name`` while tracing.
+
+    Dynamo turns an int argument that changes between calls into a SymInt,
+    and a SymInt cannot be formatted into a string inside a traced graph.
+    """
+    return name if torch.compiler.is_compiling() else f"{name}={value}"
 
 
 def assert_async(condition: torch.Tensor, message: str) -> None:

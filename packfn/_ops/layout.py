@@ -31,7 +31,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from packfn._ops._registry import assert_async, packfn_op
+from packfn._ops._registry import assert_async, named_value, packfn_op
 
 __all__ = ["ABSENT", "LAYOUT_RULES", "DocumentTable", "aligned_layout", "pack", "restore"]
 
@@ -142,7 +142,7 @@ def aligned_layout(
     for index, rule in enumerate(LAYOUT_RULES):
         assert_async(~violations[index], rule)
     longest = table.longest()
-    assert_async(longest <= length, f"the aligned documents of a row do not fit length={length}")
+    assert_async(longest <= length, f"the aligned documents of a row do not fit {named_value('length', length)}")
     real, input_bounds, aligned_bounds = table.real, table.input_bounds, table.aligned_bounds
     batch, device = real.shape[0], real.device
     # Slot `documents` (past the last document) reads a real length of 0, so

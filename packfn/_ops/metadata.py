@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from packfn._ops._registry import packfn_op
+from packfn._ops._registry import named_value, packfn_op
 
 __all__ = ["FLATTEN_RULES", "batch_metadata", "flatten_metadata", "mask_rules", "varlen_metadata"]
 
@@ -39,7 +39,7 @@ def mask_rules(max_documents: int) -> tuple[str, ...]:
         "attention_mask must not contain negative document ids",
         "attention_mask document ids must not decrease along a row "
         "(an id reappears after a different id, or ids are out of order)",
-        f"a row of attention_mask holds more documents than max_documents={max_documents}",
+        f"a row of attention_mask holds more documents than {named_value('max_documents', max_documents)}",
     )
 
 
