@@ -16,8 +16,9 @@ document), and gaps in the ids are allowed. A bool mask, or ids that are all
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
-import torch.nn.functional as F
 
 from packfn._ops._registry import named_value, packfn_op
 
@@ -43,36 +44,65 @@ def mask_rules(max_documents: int) -> tuple[str, ...]:
     )
 
 
-def _parse_mask(attention_mask: torch.Tensor, max_documents: int) -> tuple[torch.Tensor, ...]:
-    """Return ``(valid, starts, broken)`` of a ``[batch, sequence]`` mask.
+class _ParsedMask(NamedTuple):
+    """What every mask op starts from (see :func:`_parse_mask`)."""
 
-    ``valid`` and ``starts`` are bool ``[batch, sequence]``; ``starts`` marks
-    the first token of each document. With ids that never decrease along a
-    row, the running maximum of a row is the id of the last valid token so
-    far, so a valid token starts a document exactly when its id differs from
-    the running maximum before it (padding inside a document does not split
-    it). ``broken`` is bool ``[3]``, one flag per rule of :func:`mask_rules`.
+    valid: torch.Tensor  # bool [batch, sequence]
+    starts: torch.Tensor  # bool [batch, sequence]: the first token of each document
+    broken: torch.Tensor  # bool [3]: one flag per rule of mask_rules
+    indices: torch.Tensor  # int64 [batch * sequence]: valid positions in order, then padding in order
+    valid_seen: torch.Tensor  # int64 [batch * sequence]: valid tokens at or before each position
+
+
+def _parse_mask(attention_mask: torch.Tensor, max_documents: int) -> _ParsedMask:
+    """Find the documents of a ``[batch, sequence]`` mask in a few fused passes.
+
+    Valid tokens keep their order at the front of ``indices`` and padding
+    follows in order: a permutation, so unpad and pad are a gather and its
+    inverse. The same permutation gives each token the last valid token
+    before it (the valid token ranked just below it), so a valid token starts
+    a document exactly when its row holds no earlier valid token or that
+    token's id differs. Padding inside a document therefore does not split
+    it, and no running maximum (``cummax``, slow in aten and not lowered by
+    Inductor on the CPU) is needed.
     """
-    ids = attention_mask.to(torch.int64)
+    batch, sequence = attention_mask.shape
+    ids = attention_mask.to(torch.int64).reshape(-1)
     valid = ids != 0
-    before = F.pad(ids.cummax(dim=1).values[:, :-1], (1, 0))
+    positions = torch.arange(ids.numel(), device=ids.device)
+    valid_seen = valid.cumsum(0)
+    num_tokens = valid_seen[-1]
+    destination = torch.where(valid, valid_seen - 1, num_tokens + positions - valid_seen)
+    indices = torch.empty_like(positions).scatter(0, destination, positions)
+    earlier = valid_seen - valid.long()  # valid tokens before each position
+    previous = indices[(earlier - 1).clamp_min(0)]  # the last of them (any position when there is none)
+    row_begins = earlier.view(batch, sequence)[:, :1]  # valid tokens before each row
+    in_row = (earlier.view(batch, sequence) > row_begins).reshape(-1)
+    before = torch.where(in_row, ids[previous], 0)
     starts = valid & (ids != before)
-    broken = torch.stack([(ids < 0).any(), (valid & (ids < before)).any(), (starts.sum(dim=1) > max_documents).any()])
-    return valid, starts, broken
+    per_row = starts.view(batch, sequence).sum(dim=1)
+    broken = torch.stack([(ids < 0).any(), (valid & (ids < before)).any(), (per_row > max_documents).any()])
+    return _ParsedMask(
+        valid.view(batch, sequence), starts.view(batch, sequence), broken, indices, valid_seen
+    )
 
 
 def _compact(flags: torch.Tensor, values: torch.Tensor, slots: int) -> torch.Tensor:
     """Along the last axis, move ``values`` at the flagged positions, in order, to the first ``slots`` entries.
 
-    Entries past the number of flags hold garbage; callers mask them. The
-    k-th flagged position goes to slot k and every other position to a spare
-    slot of its own, so the scatter writes each slot at most once: it is
-    deterministic and needs no atomics (O(sequence), no binary search).
+    Entries past the number of flags hold garbage; callers mask them. With
+    few slots each one binary-searches the running count of flags; with many
+    (the default capacity), the k-th flagged position goes to slot k and
+    every other position to a spare slot of its own, so a scatter writes
+    each slot at most once (deterministic, no atomics, O(sequence)).
     """
     length = flags.shape[-1]
-    rank = flags.long().cumsum(-1) - 1
+    seen = flags.long().cumsum(-1)
+    if slots * 32 <= length:
+        targets = torch.arange(1, slots + 1, device=flags.device).expand(*flags.shape[:-1], slots).contiguous()
+        return values.gather(-1, torch.searchsorted(seen, targets).clamp_max(length - 1))
     spare = slots + torch.arange(length, device=flags.device)
-    target = torch.where(flags, rank, spare)
+    target = torch.where(flags, seen - 1, spare)
     buffer = values.new_zeros((*flags.shape[:-1], slots + length))
     return buffer.scatter(-1, target, values)[..., :slots]
 
@@ -97,17 +127,10 @@ def _varlen_metadata_fake(attention_mask: torch.Tensor, max_documents: int):
 def varlen_metadata(
     attention_mask: torch.Tensor, max_documents: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    valid, starts, broken = _parse_mask(attention_mask, max_documents)
+    valid, starts, broken, indices, valid_seen = _parse_mask(attention_mask, max_documents)
     batch = attention_mask.shape[0]
-    valid = valid.reshape(-1)
-    positions = torch.arange(valid.numel(), device=valid.device)
-    valid_seen = valid.cumsum(0)  # valid tokens at or before each position
+    valid, starts = valid.reshape(-1), starts.reshape(-1)
     num_tokens = valid_seen[-1]
-    # Valid tokens keep their order at the front, padding follows in order:
-    # a permutation, so unpad and pad are a gather and its inverse.
-    destination = torch.where(valid, valid_seen - 1, num_tokens + positions - valid_seen)
-    indices = torch.empty_like(positions).scatter(0, destination, positions)
-    starts = starts.reshape(-1)
     num_documents = starts.sum()
     slots = torch.arange(batch * max_documents + 1, device=valid.device)
     firsts = _compact(starts, valid_seen - valid.long(), slots.numel())
@@ -133,11 +156,12 @@ def _batch_metadata_fake(attention_mask: torch.Tensor, max_documents: int):
 def batch_metadata(
     attention_mask: torch.Tensor, max_documents: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    valid, starts, broken = _parse_mask(attention_mask, max_documents)
-    sequence = attention_mask.shape[1]
+    valid, starts, broken, _, flat_seen = _parse_mask(attention_mask, max_documents)
+    batch, sequence = attention_mask.shape
     columns = torch.arange(sequence, device=valid.device)
     packed_token_indices = torch.where(valid, columns, -1)
-    valid_seen = valid.cumsum(1)
+    flat_seen = flat_seen.view(batch, sequence)
+    valid_seen = flat_seen - (flat_seen[:, :1] - valid[:, :1].long())  # row-local running count
     num_documents = starts.sum(1, keepdim=True)
     slots = torch.arange(max_documents + 1, device=valid.device)
     firsts = _compact(starts, valid_seen - valid.long(), slots.numel())
