@@ -75,10 +75,12 @@ def _parse_mask(attention_mask: torch.Tensor, max_documents: int) -> _ParsedMask
     destination = torch.where(valid, valid_seen - 1, num_tokens + positions - valid_seen)
     indices = torch.empty_like(positions).scatter(0, destination, positions)
     earlier = valid_seen - valid.long()  # valid tokens before each position
-    previous = indices[(earlier - 1).clamp_min(0)]  # the last of them (any position when there is none)
+    # The last of them (any position when there is none); index_select is
+    # the fast 1-d gather in eager (advanced indexing is several times slower).
+    previous = indices.index_select(0, (earlier - 1).clamp_min(0))
     row_begins = earlier.view(batch, sequence)[:, :1]  # valid tokens before each row
     in_row = (earlier.view(batch, sequence) > row_begins).reshape(-1)
-    before = torch.where(in_row, ids[previous], 0)
+    before = torch.where(in_row, ids.index_select(0, previous), 0)
     starts = valid & (ids != before)
     per_row = starts.view(batch, sequence).sum(dim=1)
     broken = torch.stack([(ids < 0).any(), (valid & (ids < before)).any(), (per_row > max_documents).any()])
