@@ -84,9 +84,7 @@ def _parse_mask(attention_mask: torch.Tensor, max_documents: int) -> _ParsedMask
     starts = valid & (ids != before)
     per_row = starts.view(batch, sequence).sum(dim=1)
     broken = torch.stack([(ids < 0).any(), (valid & (ids < before)).any(), (per_row > max_documents).any()])
-    return _ParsedMask(
-        valid.view(batch, sequence), starts.view(batch, sequence), broken, indices, valid_seen
-    )
+    return _ParsedMask(valid.view(batch, sequence), starts.view(batch, sequence), broken, indices, valid_seen)
 
 
 def _compact(flags: torch.Tensor, values: torch.Tensor, slots: int) -> torch.Tensor:
