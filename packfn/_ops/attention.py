@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as F
 
 from packfn._ops._registry import assert_async, packfn_op
-from packfn._ops.metadata import _compact
+from packfn._ops.metadata import _compact, _parse_mask
 
 __all__ = ["MASK_RULES", "block_causal_mask", "document_kv_blocks", "pad", "physical_varlen_metadata", "unpad"]
 
@@ -55,9 +55,8 @@ MASK_RULES = (
 
 
 def _broken(ids: torch.Tensor) -> torch.Tensor:
-    """Bool ``[len(MASK_RULES)]`` of int64 ``[batch, sequence]`` ids (the running maximum is the last valid id)."""
-    before = F.pad(ids.cummax(dim=1).values[:, :-1], (1, 0))
-    return torch.stack([(ids < 0).any(), ((ids != 0) & (ids < before)).any()])
+    """Bool ``[len(MASK_RULES)]`` of ``[batch, sequence]`` ids: the first two rules of mask parsing, shared."""
+    return _parse_mask(ids, ids.shape[1]).broken[: len(MASK_RULES)]
 
 
 def _broken_fake(document_ids: torch.Tensor) -> torch.Tensor:
