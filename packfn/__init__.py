@@ -8,6 +8,7 @@ exact drop-in.
 """
 
 import packfn._ops  # noqa: F401  (registers every op)
+from packfn._ops._registry import cache_key_tag
 from packfn.attention import (
     PackedSeqParams,
     PhysicalVarlenMetadata,
@@ -56,6 +57,7 @@ __all__ = [
     "batch_metadata",
     "block_causal_mask",
     "build_packed_sequence_metadata",
+    "cache_key_tag",
     "document_block_mask",
     "document_mask_mod",
     "flatten_metadata",

@@ -29,7 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from scripts.benchmarks.common import Case, make_inputs
+from scripts.benchmarks.common import Case, make_inputs, use_packfn_cache_key
 
 FAMILIES = ("metadata", "layout", "attention")
 
@@ -130,6 +130,7 @@ def _group(rows: list[dict]) -> dict[tuple[str, int], list[dict]]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    use_packfn_cache_key()  # NOTE [Compile caches do not see decompositions]
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sequences", type=int, nargs="+", default=[4096, 32768])
     parser.add_argument("--means", type=int, nargs="+", default=[300, 800])

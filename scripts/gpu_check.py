@@ -361,7 +361,9 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    from scripts.benchmarks.common import make_inputs
+    from scripts.benchmarks.common import make_inputs, use_packfn_cache_key
+
+    use_packfn_cache_key()  # NOTE [Compile caches do not see decompositions]
 
     started = time.perf_counter()
     inputs_by_sequence = {

@@ -68,6 +68,7 @@ else:
     import torch
     from torch._dynamo.utils import counters
 
+    from scripts.benchmarks.common import use_packfn_cache_key
     from scripts.packed_decoder import (
         DecoderConfig,
         PackedDecoder,
@@ -367,6 +368,7 @@ def run(arguments: argparse.Namespace) -> ProfileReport:
 
 
 def main(argv: list[str] | None = None) -> int:
+    use_packfn_cache_key()  # NOTE [Compile caches do not see decompositions]
     report = run(parse_args(argv))
     print("\n".join(report.lines()), flush=True)
     return 0

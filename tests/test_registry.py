@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -46,3 +48,18 @@ def test_unbacked_ints_under_compile_do_not_break_or_recompile():
         assert count == 7 and torch.equal(result, torch.arange(7))
         with pytest.raises(RuntimeError, match="second rule"):
             compiled(torch.tensor([1, 1, 1]), torch.tensor([False, True, False]))
+
+
+def test_cache_key_tag_digests_the_op_sources(tmp_path, monkeypatch):
+    import packfn
+    from packfn._ops import _registry
+
+    tag = packfn.cache_key_tag()
+    assert tag.startswith("packfn-") and len(tag) == len("packfn-") + 16 and tag == packfn.cache_key_tag()
+    copy = tmp_path / "_registry.py"
+    for source in Path(_registry.__file__).parent.glob("*.py"):
+        (tmp_path / source.name).write_bytes(source.read_bytes())
+    monkeypatch.setattr(_registry, "__file__", str(copy))
+    assert _registry.cache_key_tag() == tag
+    (tmp_path / "metadata.py").write_text((tmp_path / "metadata.py").read_text() + "\n# changed\n")
+    assert _registry.cache_key_tag() != tag

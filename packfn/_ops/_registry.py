@@ -23,7 +23,9 @@ generated code. They never read a value back to the host.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -31,7 +33,16 @@ from torch._C import DispatchKey
 
 NAMESPACE = "packfn"
 
-__all__ = ["NAMESPACE", "assert_async", "assert_rules", "checked_ints", "named_value", "packfn_op", "python_ints"]
+__all__ = [
+    "NAMESPACE",
+    "assert_async",
+    "assert_rules",
+    "cache_key_tag",
+    "checked_ints",
+    "named_value",
+    "packfn_op",
+    "python_ints",
+]
 
 
 def packfn_op(
@@ -151,3 +162,21 @@ def checked_ints(
         first = (code & -code).bit_length() - 1
         raise ValueError(message or rules[first])
     return tuple(ints)
+
+
+def cache_key_tag() -> str:
+    """A tag for ``torch.compiler.config.cache_key_tag`` that changes whenever a packfn op changes.
+
+    NOTE [Compile caches do not see decompositions]
+    torch.compile's caches (FX graph and AOTAutograd) key on the graph that
+    *calls* ``torch.ops.packfn.*``, not on the Python decomposition that
+    Inductor inlines: after an upgrade of packfn, a warm cache can serve
+    code compiled from the old decompositions. Tagging the cache with a
+    digest of the op sources breaks it exactly when they change::
+
+        torch.compiler.config.cache_key_tag = packfn.cache_key_tag()
+    """
+    digest = hashlib.sha256()
+    for source in sorted(Path(__file__).parent.glob("*.py")):
+        digest.update(source.read_bytes())
+    return f"packfn-{digest.hexdigest()[:16]}"

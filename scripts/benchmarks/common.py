@@ -9,7 +9,7 @@ from functools import cached_property
 
 import torch
 
-__all__ = ["Case", "Inputs", "make_inputs"]
+__all__ = ["Case", "Inputs", "make_inputs", "use_packfn_cache_key"]
 
 
 @dataclass
@@ -96,3 +96,12 @@ def make_inputs(
             used += length
         rows.append(lengths)
     return Inputs(batch, sequence, mean, rows, torch.device(device), hidden)
+
+
+def use_packfn_cache_key() -> None:
+    """Key torch.compile's caches on packfn's op sources (NOTE [Compile caches do not see decompositions])."""
+    import packfn
+
+    config = getattr(torch.compiler, "config", None)
+    if config is not None and hasattr(config, "cache_key_tag"):
+        config.cache_key_tag = packfn.cache_key_tag()
