@@ -2,7 +2,9 @@
 
 NOTE [One body, three roles]
 Every packfn op is written once, as a plain function of tensors built from
-vectorized aten calls (no Python loop over rows or documents, no host sync).
+vectorized aten calls (no Python loop over rows or documents, no host sync;
+the one exception is ``_sizes`` below, the drop-ins' trim step, whose whole
+job is to read values back).
 :func:`packfn_op` registers that body in three roles:
 
 1. the eager kernel of ``torch.library.custom_op("packfn::<name>")``, so
@@ -16,9 +18,12 @@ vectorized aten calls (no Python loop over rows or documents, no host sync).
    so output shapes are visibly a function of input shapes and static
    arguments only.
 
-Data checks inside a body use ``torch._assert_async``: a plain exception in
-eager on the CPU, an asynchronous device assert on a GPU and in Inductor's
-generated code. They never read a value back to the host.
+Data checks never read a value back to the host. Mask ops return one bool
+flag per rule, which callers enforce with :func:`assert_rules` (static API:
+``torch._assert_async``, a plain exception in eager on the CPU, an
+asynchronous device assert on a GPU and in Inductor's generated code) or
+:func:`checked_ints` (drop-ins: read with their sizes, then ``ValueError``);
+the layout op and ``pad`` assert inside their bodies.
 """
 
 from __future__ import annotations
@@ -114,8 +119,9 @@ def _sizes_fake(values: torch.Tensor, bounds: list[int]) -> torch.Tensor:
 
 @packfn_op("_sizes", fake=_sizes_fake)
 def _sizes(values: torch.Tensor, bounds: list[int]) -> torch.Tensor:
-    sizes = [values[i].item() for i in range(len(bounds))]
-    return values.new_empty((*sizes, 0))
+    # One read for all values (eager: a single host sync; traced: one
+    # unbacked size per value).
+    return values.new_empty((*values.tolist(), 0))
 
 
 def python_ints(values: list[torch.Tensor], bounds: list[int]) -> tuple[int, ...]:
