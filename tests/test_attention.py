@@ -9,6 +9,7 @@ from unittest import mock
 import pytest
 import torch
 import torch.nn.functional as F
+from assertions import assert_same, outcome
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from nemo_automodel.components.datasets import packed_seq as upstream
@@ -40,28 +41,6 @@ CONTRACTS = [
     for required in (False, True)
 ]
 HEADS, DIM = 2, 8
-
-
-def assert_same(actual, expected) -> None:
-    """Equal values, dtypes, shapes and Python types, recursively."""
-    assert type(actual) is type(expected), (type(actual), type(expected))
-    if isinstance(expected, torch.Tensor):
-        assert (actual.dtype, actual.shape) == (expected.dtype, expected.shape)
-        assert torch.equal(actual, expected), (actual, expected)
-    elif isinstance(expected, dict):
-        assert list(actual) == list(expected)
-        for key in expected:
-            assert_same(actual[key], expected[key])
-    else:
-        assert actual == expected
-
-
-def outcome(function, *args):
-    """``("ok", result)`` or ``("error", type, message)``."""
-    try:
-        return ("ok", function(*args))
-    except Exception as error:  # the oracle's exception is the thing compared
-        return ("error", type(error), str(error))
 
 
 def assert_same_params(ours, theirs) -> None:

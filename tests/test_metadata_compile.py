@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from assertions import assert_same
 from torch._dynamo.testing import CompileCounterWithBackend
 from torch._dynamo.utils import counters
 from torch._inductor.utils import run_and_get_code
@@ -60,20 +61,6 @@ class VarlenProjection(torch.nn.Module):
         return padded.reshape(x.shape), meta.cu_seqlens, meta.max_seqlen
 
 
-def assert_equal_nested(actual, expected):
-    if isinstance(expected, torch.Tensor):
-        assert actual.dtype == expected.dtype and torch.equal(actual, expected)
-    elif isinstance(expected, dict):
-        for key in expected:
-            assert_equal_nested(actual[key], expected[key])
-    elif isinstance(expected, (tuple, list)):
-        assert len(actual) == len(expected)
-        for left, right in zip(actual, expected, strict=True):
-            assert_equal_nested(left, right)
-    else:
-        assert actual == expected and type(actual) is type(expected)
-
-
 @pytest.fixture(autouse=True)
 def fresh_counters():
     counters.clear()
@@ -88,7 +75,7 @@ compiled_drop_ins = torch.compile(drop_in_path, fullgraph=True)
 def test_static_ops_compile_to_fused_code_without_packfn_calls():
     mask = random_mask(3, 16, seed=0)
     result, code = run_and_get_code(compiled_static, mask)
-    assert_equal_nested(result, static_path(mask))
+    assert_same(result, static_path(mask))
     assert "packfn" not in "\n".join(code)
 
 
@@ -97,25 +84,25 @@ def test_static_ops_do_not_recompile_across_contents():
     with torch._dynamo.config.patch(error_on_recompile=True):
         for seed in range(20):
             mask = random_mask(3, 16, seed=seed)
-            assert_equal_nested(compiled_static(mask), static_path(mask))
+            assert_same(compiled_static(mask), static_path(mask))
 
 
 @pytest.mark.parametrize("dtype", [torch.bool, torch.uint8, torch.int32])
 def test_static_ops_compile_for_other_mask_dtypes(dtype):
     mask = random_mask(2, 8, seed=3, dtype=dtype)
     compiled = torch.compile(lambda mask: static_path(mask), fullgraph=True)
-    assert_equal_nested(compiled(mask), static_path(mask))
+    assert_same(compiled(mask), static_path(mask))
 
 
 def test_drop_ins_compile_without_graph_breaks_or_recompiles():
     first = random_mask(3, 16, seed=0)
     result, code = run_and_get_code(compiled_drop_ins, first)
-    assert_equal_nested(result, drop_in_path(first))
+    assert_same(result, drop_in_path(first))
     assert "packfn" not in "\n".join(code)
     with torch._dynamo.config.patch(error_on_recompile=True):
         for seed in range(1, 21):
             mask = random_mask(3, 16, seed=seed)
-            assert_equal_nested(compiled_drop_ins(mask), drop_in_path(mask))
+            assert_same(compiled_drop_ins(mask), drop_in_path(mask))
 
 
 def default_capacity_path(mask):
@@ -130,7 +117,7 @@ def test_one_dynamic_compile_serves_several_sequence_lengths(path):
     compiled = torch.compile(lambda mask: path(mask), backend=counter, fullgraph=True, dynamic=True)
     for sequence in (12, 20, 33):
         mask = random_mask(2, sequence, seed=sequence)
-        assert_equal_nested(compiled(mask), path(mask))
+        assert_same(compiled(mask), path(mask))
     assert counter.frame_count == 1
 
 
@@ -139,7 +126,7 @@ def test_changing_capacity_compiles_without_graph_breaks():
     compiled = torch.compile(lambda mask, capacity: packfn.varlen_metadata(mask, max_documents=capacity)[:6])
     mask = random_mask(2, 16, seed=1)
     for capacity in (4, 5, 6):
-        assert_equal_nested(compiled(mask, capacity), packfn.varlen_metadata(mask, max_documents=capacity)[:6])
+        assert_same(compiled(mask, capacity), packfn.varlen_metadata(mask, max_documents=capacity)[:6])
 
 
 def test_large_sequence_compiles_to_the_eager_result():
@@ -151,7 +138,7 @@ def test_large_sequence_compiles_to_the_eager_result():
         batch = packfn.batch_metadata(mask, max_documents=CAPACITY)
         return (*flat[:6], *batch[:4])
 
-    assert_equal_nested(torch.compile(large, fullgraph=True)(mask), large(mask))
+    assert_same(torch.compile(large, fullgraph=True)(mask), large(mask))
 
 
 def test_module_using_static_metadata_compiles_and_matches_eager():
@@ -163,7 +150,7 @@ def test_module_using_static_metadata_compiles_and_matches_eager():
         x = torch.randn(3, 16, 8)
         expected, actual = module(x, mask), compiled(x, mask)
         torch.testing.assert_close(actual[0], expected[0])
-        assert_equal_nested(actual[1:], expected[1:])
+        assert_same(actual[1:], expected[1:])
 
 
 class ExportedMetadata(torch.nn.Module):
@@ -188,8 +175,8 @@ def test_export_keeps_named_ops_and_decomposes_them():
     assert packfn_nodes(lowered) == set()
     for seed in (1, 2):
         mask = random_mask(3, 16, seed=seed)
-        assert_equal_nested(tuple(program.module()(mask)), static_path(mask))
-        assert_equal_nested(tuple(lowered.module()(mask)), static_path(mask))
+        assert_same(tuple(program.module()(mask)), static_path(mask))
+        assert_same(tuple(lowered.module()(mask)), static_path(mask))
 
 
 def test_export_of_drop_ins_has_unbacked_sizes():

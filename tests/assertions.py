@@ -1,0 +1,33 @@
+"""Assertions shared by the test modules."""
+
+from __future__ import annotations
+
+import torch
+
+
+def assert_same(actual, expected) -> None:
+    """Equal values, dtypes, shapes and Python types, recursively."""
+    assert type(actual) is type(expected), (type(actual), type(expected))
+    if isinstance(expected, torch.Tensor):
+        assert actual.dtype == expected.dtype
+        assert actual.shape == expected.shape
+        assert actual.device == expected.device
+        assert torch.equal(actual, expected), (actual, expected)
+    elif isinstance(expected, dict):
+        assert list(actual) == list(expected)
+        for key in expected:
+            assert_same(actual[key], expected[key])
+    elif isinstance(expected, (tuple, list)):
+        assert len(actual) == len(expected)
+        for left, right in zip(actual, expected, strict=True):
+            assert_same(left, right)
+    else:
+        assert actual == expected
+
+
+def outcome(function, *args, **kwargs):
+    """``("ok", result)`` or ``("error", type, message)``: what a call did."""
+    try:
+        return ("ok", function(*args, **kwargs))
+    except Exception as error:  # the oracle's exception is the thing compared
+        return ("error", type(error), str(error))
