@@ -8,7 +8,7 @@ exact drop-in.
 """
 
 import packfn._ops  # noqa: F401  (registers every op)
-from packfn._ops._registry import cache_key_tag
+from packfn._cache import cache_key_tag, install_cache_key_tag
 from packfn.attention import (
     PackedSeqParams,
     PhysicalVarlenMetadata,
@@ -74,3 +74,6 @@ __all__ = [
     "unpad",
     "varlen_metadata",
 ]
+
+# NOTE [Compile caches do not see decompositions] (packfn/_cache.py)
+install_cache_key_tag()
