@@ -54,16 +54,6 @@ __all__ = [
 ]
 
 
-def _enforce(broken: torch.Tensor) -> None:
-    """Static path: sync-free asserts of an op's rule flags (a ``RuntimeError`` naming the rule)."""
-    assert_rules(broken, _ops.MASK_RULES)
-
-
-def _checked_ints(values: list[torch.Tensor], bounds: list[int], broken: torch.Tensor) -> tuple[int, ...]:
-    """Drop-in path: the ints and the rule flags in one host read; ``ValueError`` names a broken rule."""
-    return checked_ints(values, bounds, broken, _ops.MASK_RULES)
-
-
 # ------------------------------------------------------------- block causal
 
 
@@ -86,7 +76,7 @@ def block_causal_mask(document_ids: torch.Tensor) -> torch.Tensor:
     """
     check_mask(document_ids, name="document_ids")
     mask, broken = _ops.block_causal_mask(document_ids)
-    _enforce(broken)
+    assert_rules(broken, _ops.document_rules(document_ids))
     return mask
 
 
@@ -132,8 +122,7 @@ def physical_varlen_metadata(document_ids: torch.Tensor) -> PhysicalVarlenMetada
         RuntimeError: as :func:`block_causal_mask`.
     """
     check_mask(document_ids, name="document_ids")
-    cu_seqlens, max_seqlen, num_segments = _ops.physical_varlen_metadata(document_ids)
-    return PhysicalVarlenMetadata(cu_seqlens, max_seqlen, num_segments, document_ids.shape[1])
+    return PhysicalVarlenMetadata(*_ops.physical_varlen_metadata(document_ids), document_ids.shape[1])
 
 
 @dataclass
@@ -173,10 +162,14 @@ def packed_seq_params_from_doc_ids(doc_ids: torch.Tensor) -> PackedSeqParams:
     if isinstance(doc_ids, torch.Tensor) and doc_ids.dim() != 2:
         raise ValueError(f"doc_ids must be 2D [batch, sequence], got shape {tuple(doc_ids.shape)}")
     check_mask(doc_ids, name="doc_ids")
+    return _exact_params(doc_ids, _ops.physical_varlen_metadata(doc_ids))
+
+
+def _exact_params(doc_ids: torch.Tensor, varlen: _ops.PhysicalVarlenOutputs) -> PackedSeqParams:
+    """The op's static boundaries trimmed to the segment count (one host read in eager)."""
     batch, sequence = doc_ids.shape
-    cu_seqlens, max_seqlen, num_segments = _ops.physical_varlen_metadata(doc_ids)
-    segments, longest = python_ints([num_segments, max_seqlen], [batch * sequence, sequence])
-    return PackedSeqParams(cu_seqlens=cu_seqlens[: segments + 1], max_seqlen=longest, doc_ids=doc_ids)
+    segments, longest = python_ints([varlen.num_segments, varlen.max_seqlen], [batch * sequence, sequence])
+    return PackedSeqParams(cu_seqlens=varlen.cu_seqlens[: segments + 1], max_seqlen=longest, doc_ids=doc_ids)
 
 
 def to_flash_attention_kwargs(params: PackedSeqParams) -> dict[str, torch.Tensor | int]:
@@ -270,15 +263,14 @@ def document_block_mask(
     window = _check_window(window)
     if not isinstance(separate_full_blocks, bool):
         raise TypeError(f"separate_full_blocks must be a bool, got {type(separate_full_blocks).__name__}")
-    *blocks, broken = _ops.document_kv_blocks(document_ids, block_size, window, separate_full_blocks)
-    _enforce(broken)
-    full_num_blocks, full_indices = (blocks[2], blocks[3]) if separate_full_blocks else (None, None)
+    blocks = _ops.document_kv_blocks(document_ids, block_size, window, separate_full_blocks)
+    assert_rules(blocks.broken, _ops.document_rules(document_ids))
+    full = (blocks.full_kv_num_blocks, blocks.full_kv_indices) if separate_full_blocks else (None, None)
     sequence = document_ids.shape[1]
     return BlockMask.from_kv_blocks(
-        blocks[0],
-        blocks[1],
-        full_num_blocks,
-        full_indices,
+        blocks.kv_num_blocks,
+        blocks.kv_indices,
+        *full,
         BLOCK_SIZE=block_size,
         mask_mod=document_mask_mod(document_ids, window=window),
         seq_lengths=(sequence, sequence),
@@ -345,47 +337,86 @@ def packed_attention_inputs(
     mask_type = contract.packed_mask_type
     if mask_type not in ("block_causal", "document_ids", "flash_varlen"):
         raise ValueError(f"Unsupported packed_mask_type: {mask_type!r}")
-    batch, sequence = document_ids.shape
-    result: dict[str, Any] = {}
-    for name, tensor in (("input_ids", input_ids), ("labels", labels), ("position_ids", position_ids)):
-        if tensor is None:
-            continue
-        if not isinstance(tensor, torch.Tensor) or tensor.shape != document_ids.shape:
-            shape = tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else type(tensor).__name__
-            raise ValueError(f"{name} must have the shape of document_ids {tuple(document_ids.shape)}, got {shape}")
-        result[name] = tensor
-    broken = varlen = None
+    needs_metadata = contract.requires_packed_sequence_metadata
+    if not static and not needs_metadata and torch.compiler.is_compiling():
+        # The collater adds _packed_seq_ids only when an id exceeds 1: a key
+        # set that depends on the data cannot be traced into one graph.
+        raise ValueError(
+            "packed_attention_inputs(static=False) decides from the data whether to add _packed_seq_ids "
+            "(for contracts that require no packed metadata), which cannot be traced: use static=True "
+            "under torch.compile / torch.export"
+        )
+    result = _passthrough(document_ids, input_ids=input_ids, labels=labels, position_ids=position_ids)
+    broken = None
     if mask_type == "block_causal":
         result["attention_mask"], broken = _ops.block_causal_mask(document_ids)
     elif mask_type == "document_ids":
         result["attention_mask"] = document_ids
-    else:
-        varlen = _ops.physical_varlen_metadata(document_ids)
     if static:
         if broken is not None:
-            _enforce(broken)
-        if varlen is not None:
-            result.update(to_flash_attention_kwargs(PackedSeqParams(varlen[0], sequence, document_ids)))
-        if contract.requires_packed_sequence_metadata:
+            assert_rules(broken, _ops.document_rules(document_ids))
+        if mask_type == "flash_varlen":
+            cu_seqlens = _ops.physical_varlen_metadata(document_ids).cu_seqlens
+            result.update(to_flash_attention_kwargs(PackedSeqParams(cu_seqlens, document_ids.shape[1], document_ids)))
+        if needs_metadata:
             metadata = batch_metadata(document_ids, max_documents=max_documents)
             result["packed_token_indices"] = metadata.packed_token_indices
             result["cu_seqlens"] = metadata.cu_seqlens
             result["max_seqlen"] = metadata.max_seqlen_bound
         result["_packed_seq_ids"] = document_ids
         return result
-    # The collater's exact values: one host read of the sizes, the rule flags
-    # and whether an id exceeds 1.
-    several = (document_ids.max() > 1).to(torch.int64)
-    if varlen is None:
-        flags = broken if broken is not None else torch.zeros(len(_ops.MASK_RULES), dtype=torch.bool)
-        (several,) = _checked_ints([several], [1], flags.to(document_ids.device))
-    else:
-        several, segments, longest = python_ints([several, varlen[2], varlen[1]], [1, batch * sequence, sequence])
-        result.update(to_flash_attention_kwargs(PackedSeqParams(varlen[0][: segments + 1], longest, document_ids)))
-    if contract.requires_packed_sequence_metadata:
+    return _collater_inputs(result, document_ids, mask_type, needs_metadata, broken)
+
+
+def _collater_inputs(
+    result: dict[str, Any],
+    document_ids: torch.Tensor,
+    mask_type: str,
+    needs_metadata: bool,
+    broken: torch.Tensor | None,
+) -> dict[str, Any]:
+    """``packed_attention_inputs(static=False)``: the collater's exact values and keys.
+
+    One host read in eager for the rule flags, the segment sizes and whether
+    an id exceeds 1 (plus the one of :func:`build_packed_sequence_metadata`
+    where metadata is required); unbacked sizes under torch.compile.
+    """
+    batch, sequence = document_ids.shape
+    reads: list[torch.Tensor] = []
+    bounds: list[int] = []
+    varlen = None
+    if mask_type == "flash_varlen":
+        varlen = _ops.physical_varlen_metadata(document_ids)
+        reads += [varlen.num_segments, varlen.max_seqlen]
+        bounds += [batch * sequence, sequence]
+    if not needs_metadata:
+        reads.append((document_ids.max() > 1).to(torch.int64))
+        bounds.append(1)
+    # Only the block-causal mask checks the ids, as the collater's does.
+    flags = broken if broken is not None else torch.zeros(3, dtype=torch.bool, device=document_ids.device)
+    ints = checked_ints(reads, bounds, flags, _ops.document_rules(document_ids))
+    if varlen is not None:
+        segments, longest = ints[:2]
+        result.update(
+            to_flash_attention_kwargs(PackedSeqParams(varlen.cu_seqlens[: segments + 1], longest, document_ids))
+        )
+    if needs_metadata:
         result.update(build_packed_sequence_metadata(document_ids))
-    if several or contract.requires_packed_sequence_metadata:
+    if needs_metadata or ints[-1]:
         result["_packed_seq_ids"] = document_ids
+    return result
+
+
+def _passthrough(document_ids: torch.Tensor, **tensors: torch.Tensor | None) -> dict[str, Any]:
+    """The given ``[batch, sequence]`` tensors, in order, for the result dict."""
+    result: dict[str, Any] = {}
+    for name, tensor in tensors.items():
+        if tensor is None:
+            continue
+        if not isinstance(tensor, torch.Tensor) or tensor.shape != document_ids.shape:
+            shape = tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else type(tensor).__name__
+            raise ValueError(f"{name} must have the shape of document_ids {tuple(document_ids.shape)}, got {shape}")
+        result[name] = tensor
     return result
 
 
@@ -473,4 +504,6 @@ def pad(values: torch.Tensor, metadata: VarlenMetadata) -> torch.Tensor:
     indices, num_tokens, sequence = _check_varlen_metadata(metadata)
     if values.shape[0] != indices.numel():
         raise ValueError(f"values {tuple(values.shape)} must have batch * sequence = {indices.numel()} rows")
-    return _ops.pad(values, indices, num_tokens, sequence)
+    padded, broken = _ops.pad(values, indices, num_tokens, sequence)
+    assert_rules(broken, _ops.PAD_RULES)
+    return padded

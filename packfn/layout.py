@@ -27,9 +27,9 @@ from dataclasses import dataclass
 
 import torch
 
-from packfn._checks import check_positive_int, is_compiling
+from packfn._checks import check_positive_int
 from packfn._ops import layout as _ops
-from packfn._ops._registry import python_ints
+from packfn._ops._registry import assert_rules, checked_ints
 
 __all__ = ["PackedSequenceLayout", "aligned_layout", "aligned_length", "packed_layout"]
 
@@ -109,6 +109,23 @@ def _round_up(value, alignment):
     return (value + alignment - 1) // alignment * alignment
 
 
+def _sym_min(a, b):
+    """``min`` of ints or SymInts that installs no guard (so export keeps a ``Dim`` free).
+
+    Dynamo turns the builtin ``min`` of SymInts into ``torch.sym_min``
+    itself, and torch 2.11's Dynamo graph-breaks on an explicit
+    ``torch.sym_min`` of ints ("torch.* op returned non-Tensor"); outside
+    Dynamo (eager, non-strict export) the builtin would guard on the
+    comparison, so ``torch.sym_min`` is used there.
+    """
+    return min(a, b) if torch.compiler.is_dynamo_compiling() else torch.sym_min(a, b)
+
+
+def _sym_max(a, b):
+    """``max`` without a guard, as :func:`_sym_min`."""
+    return max(a, b) if torch.compiler.is_dynamo_compiling() else torch.sym_max(a, b)
+
+
 def _worst_case_length(sequence_length, documents: int, alignment: int, minimum_length: int):
     """:func:`aligned_length` without checks (SymInt-friendly, for traced sequence lengths)."""
     # m documents of n_1 + ... + n_m <= sequence_length real tokens use
@@ -116,9 +133,14 @@ def _worst_case_length(sequence_length, documents: int, alignment: int, minimum_
     # blocks, which grows with tokens and m: the bound takes every token and
     # as many documents as there are tokens (no token without a document).
     # m - 1 one-token documents and one document of the rest reach it.
-    fitting = torch.sym_min(documents, sequence_length)
-    blocks = 0 if documents == 0 else fitting + (sequence_length - fitting) // alignment
-    return torch.sym_max(blocks * alignment, _round_up(max(minimum_length, 1), alignment))
+    # Written as alignment * blocks, so that "a multiple of alignment" holds
+    # symbolically (no guard on a traced sequence length).
+    floor_blocks = -(-max(minimum_length, 1) // alignment)
+    if documents == 0:
+        return alignment * floor_blocks
+    fitting = _sym_min(documents, sequence_length)
+    blocks = fitting + (sequence_length - fitting) // alignment
+    return alignment * _sym_max(blocks, floor_blocks)
 
 
 def aligned_length(sequence_length: int, documents: int, alignment: int, minimum_length: int = 0) -> int:
@@ -221,34 +243,18 @@ def aligned_layout(
             raise ValueError(f"{name} must hold int32 or int64 document lengths, got dtype {tensor.dtype}")
     if isinstance(sequence_length, bool) or not isinstance(sequence_length, (int, torch.SymInt)):
         raise TypeError(f"sequence_length must be an int, got {type(sequence_length).__name__}")
+    if isinstance(sequence_length, int) and sequence_length < 0:
+        raise ValueError(f"sequence_length must not be negative, got {sequence_length}")
     alignment = check_positive_int(alignment, "alignment")
     length = check_positive_int(length, "length")
     if length % alignment != 0:
         raise ValueError(f"length={length} must be a multiple of alignment={alignment}")
-    source_indices, position_ids, sequence_ids, input_positions, _ = _ops.aligned_layout(
-        lengths, spans, sequence_length, alignment, length
-    )
-    return PackedSequenceLayout(source_indices, input_positions, position_ids, sequence_ids)
+    layout = _ops.aligned_layout(lengths, spans, sequence_length, alignment, length)
+    assert_rules(layout.broken, _ops.layout_rules(length))
+    return PackedSequenceLayout(layout.source_indices, layout.input_positions, layout.position_ids, layout.sequence_ids)
 
 
 # ---------------------------------------------------------------- drop-in
-
-_ABSENT_WITH_SPAN = "An absent packed document cannot have a physical span"
-_SPAN_EXCEEDED = "Packed document lengths exceed their physical spans or input row"
-
-
-def _first_broken_rule(violations: torch.Tensor) -> torch.Tensor:
-    """0-d int64: 0 if no document breaks a rule, else 1 (absent with a span) or 2 (any other) for the first one.
-
-    Upstream walks rows, then documents, and raises at the first broken one.
-    """
-    per_document = violations.flatten(0, 1)
-    broken = per_document.any(-1)
-    if broken.numel() == 0:
-        return broken.new_zeros((), dtype=torch.int64)
-    first = broken.to(torch.int8).argmax()
-    code = torch.where(per_document[first, 0], 1, 2)
-    return torch.where(broken[first], code, 0)
 
 
 def packed_layout(
@@ -304,35 +310,24 @@ def packed_layout(
     if isinstance(minimum_length, bool) or not isinstance(minimum_length, int):
         raise TypeError(f"minimum_length must be an int, got {type(minimum_length).__name__}")
     floor = max(minimum_length, 1)
-
-    if not is_compiling():
-        # Eager: one host read of the first broken rule and the row need,
-        # then the static op at exactly the row length (nothing to trim).
-        table = _ops.DocumentTable.build(lengths, spans, alignment)
-        code, longest = torch.stack([_first_broken_rule(table.violations(sequence)), table.longest()]).tolist()
-        if code:
-            raise ValueError(_ABSENT_WITH_SPAN if code == 1 else _SPAN_EXCEEDED)
-        row_length = _round_up(max(floor, longest), alignment)
-        outputs = _ops.aligned_layout(lengths, spans, sequence, alignment, row_length)
-        source_indices, position_ids, sequence_ids, input_positions, _ = outputs
-        return PackedSequenceLayout(source_indices, input_positions, position_ids, sequence_ids)
-
-    # Traced: the static op at a length every valid input fits, then one
-    # trim to the data-dependent length (an unbacked size, no graph break).
+    # The static op at a length every valid input fits, then one read of the
+    # row length and the rule flags together (eager: one host sync and
+    # upstream's ValueError; traced: an unbacked size and sync-free asserts
+    # with upstream's messages), and one trim.
     bound = _worst_case_length(sequence, lengths.shape[1], alignment, minimum_length)
-    source_indices, position_ids, sequence_ids, input_positions, longest = _ops.aligned_layout(
-        lengths, spans, sequence, alignment, bound
-    )
-    (row_length,) = python_ints([_round_up(longest.clamp_min(floor), alignment)], [bound])
-    torch._check(row_length >= 1)
-    # Contiguous like upstream's (and eager's) fields; it also keeps Inductor
-    # from passing a saved slice to the backward with other strides than the
-    # ones it planned for.
+    layout = _ops.aligned_layout(lengths, spans, sequence, alignment, bound)
+    need = _round_up(layout.longest.clamp_min(floor), alignment)
+    (row_length,) = checked_ints([need], [bound], layout.broken, _ops.layout_rules(bound))
+    # The first row_length columns as new contiguous tensors (like upstream's
+    # fields), taken by index_select rather than a slice: Inductor (torch
+    # 2.13) can save a slice of unbacked width for the backward with other
+    # strides than it planned for ("expected ... stride 4==8").
+    columns = torch.arange(row_length, device=lengths.device)
     return PackedSequenceLayout(
-        source_indices[:, :row_length].contiguous(),
-        input_positions,
-        position_ids[:, :row_length].contiguous(),
-        sequence_ids[:, :row_length].contiguous(),
+        layout.source_indices.index_select(1, columns),
+        layout.input_positions,
+        layout.position_ids.index_select(1, columns),
+        layout.sequence_ids.index_select(1, columns),
     )
 
 

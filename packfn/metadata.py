@@ -21,9 +21,9 @@ from typing import NamedTuple, TypedDict
 
 import torch
 
-from packfn._checks import check_mask, check_positive_int, is_compiling
+from packfn._checks import check_mask, check_positive_int
 from packfn._ops import metadata as _ops
-from packfn._ops._registry import assert_rules, checked_ints
+from packfn._ops._registry import Rule, assert_rules, checked_ints
 
 __all__ = [
     "BatchMetadata",
@@ -148,9 +148,15 @@ def batch_metadata(attention_mask: torch.Tensor, *, max_documents: int | None = 
     """
     check_mask(attention_mask)
     capacity = _capacity(attention_mask, max_documents)
-    *outputs, broken = _ops.batch_metadata(attention_mask, capacity)
-    assert_rules(broken, _ops.mask_rules(capacity))
-    return BatchMetadata(*outputs, max_seqlen_bound=attention_mask.shape[1])
+    parsed = _ops.batch_metadata(attention_mask, capacity)
+    assert_rules(parsed.broken, _ops.mask_rules(capacity))
+    return BatchMetadata(
+        parsed.packed_token_indices,
+        parsed.cu_seqlens,
+        parsed.row_max_seqlen.max(),
+        parsed.num_documents,
+        max_seqlen_bound=attention_mask.shape[1],
+    )
 
 
 def _check_metadata_shapes(
@@ -206,12 +212,17 @@ def flatten_metadata(packed_token_indices: torch.Tensor, cu_seqlens: torch.Tenso
         )
     batch, sequence = packed_token_indices.shape
     _check_metadata_shapes(packed_token_indices, cu_seqlens, batch, sequence)
-    indices, flat_cu_seqlens, num_tokens, num_documents, broken = _ops.flatten_metadata(
-        packed_token_indices, cu_seqlens
+    if cu_seqlens.shape[1] < 2:
+        raise ValueError(
+            f"cu_seqlens must have shape [batch, D + 1] with at least one document slot (D >= 1), "
+            f"got {tuple(cu_seqlens.shape)}"
+        )
+    flat = _ops.flatten_metadata(packed_token_indices, cu_seqlens)
+    assert_rules(flat.broken, _ops.FLATTEN_RULES)
+    seqlens = flat.cu_seqlens[1:] - flat.cu_seqlens[:-1]
+    return VarlenMetadata(
+        flat.indices, flat.cu_seqlens, seqlens, seqlens.max(), flat.num_tokens, flat.num_documents, sequence
     )
-    assert_rules(broken, _ops.FLATTEN_RULES)
-    seqlens = flat_cu_seqlens[1:] - flat_cu_seqlens[:-1]
-    return VarlenMetadata(indices, flat_cu_seqlens, seqlens, seqlens.max(), num_tokens, num_documents, sequence)
 
 
 # ---------------------------------------------------------------- drop-ins
@@ -221,14 +232,51 @@ def _check_dropin_mask(attention_mask: torch.Tensor) -> None:
     if attention_mask.ndim != 2:
         raise ValueError(f"attention_mask must have shape [batch, sequence], got {tuple(attention_mask.shape)}")
     if attention_mask.numel() == 0:  # upstream's message for an empty [batch, sequence] mask
-        raise ValueError("attention_mask must contain at least one valid token")
+        raise ValueError(_NO_TOKEN.message)
     check_mask(attention_mask)
 
 
-def _require_tokens(tokens: int) -> None:
-    if not is_compiling() and tokens == 0:
-        raise ValueError("attention_mask must contain at least one valid token")
-    torch._check(tokens >= 1)
+# Rules the drop-ins add to the mask rules: upstream's "no valid token" error
+# (checked before anything else, as upstream does), and NOTE [Narrow mask dtypes].
+_NO_TOKEN = Rule("attention_mask must contain at least one valid token")
+
+# NOTE [Narrow mask dtypes]
+# Upstream counts document lengths in the mask's dtype: always in
+# get_seqlens_in_batch, and in get_unpad_data / build_packed_sequence_metadata
+# when ids exceed 1 (a mask of ids at most 1 is counted as bool, in int64).
+# A uint8 / int8 / int16 count wraps past the dtype's maximum (a 256-token
+# document of a uint8 mask counts 0 and vanishes), so where upstream would
+# count a document that does not fit, the drop-ins raise ``ValueError``
+# instead, eager and compiled alike (a sync-free assert there). A document
+# of exactly the maximum (255 tokens for uint8) is fine. int32 and int64
+# masks cannot overflow (their maximum exceeds any sequence length).
+
+
+def _narrow_limit(dtype: torch.dtype) -> int | None:
+    """The largest count a mask of ``dtype`` holds, or None where no document can exceed it."""
+    if dtype in (torch.uint8, torch.int8, torch.int16):
+        return int(torch.iinfo(dtype).max)
+    return None
+
+
+def _overflow_rule(dtype: torch.dtype, limit: int) -> Rule:
+    return Rule(
+        f"a document of more than {limit} tokens does not fit attention_mask's dtype {dtype}, "
+        "in which its length is counted; pass an int32 or int64 mask"
+    )
+
+
+def _dropin_rules(
+    attention_mask: torch.Tensor, num_tokens: torch.Tensor, broken: torch.Tensor, overflow: torch.Tensor | None
+) -> tuple[torch.Tensor, tuple[Rule, ...]]:
+    """The drop-ins' flags and rules: no valid token, the mask rules, then (narrow dtypes) overflow."""
+    sequence = attention_mask.shape[1]
+    flags = [(num_tokens == 0).reshape(1), broken]
+    rules = (_NO_TOKEN, *_ops.mask_rules(sequence))
+    if overflow is not None:
+        flags.append(overflow.reshape(1))
+        rules = (*rules, _overflow_rule(attention_mask.dtype, _narrow_limit(attention_mask.dtype)))
+    return torch.cat(flags), rules
 
 
 def get_seqlens_in_batch(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -244,18 +292,23 @@ def get_seqlens_in_batch(attention_mask: torch.Tensor) -> torch.Tensor:
     Raises:
         ValueError: a bool or non-integer mask, a mask that is not a
             non-empty ``[batch, sequence]`` tensor, negative or decreasing
-            ids, or a length that does not fit the mask's dtype.
+            ids, or a document longer than the mask's dtype can count
+            (NOTE [Narrow mask dtypes]). Under ``torch.compile`` the data
+            errors are sync-free asserts with the same messages.
     """
     if isinstance(attention_mask, torch.Tensor) and attention_mask.dtype == torch.bool:
         raise ValueError("get_seqlens_in_batch needs integer document ids, got a bool mask; use get_unpad_data")
     _check_dropin_mask(attention_mask)
     batch, sequence = attention_mask.shape
-    _, _, seqlens, max_seqlen, _, num_documents, broken = _ops.varlen_metadata(attention_mask, sequence)
-    rules = _ops.mask_rules(sequence)
-    documents, longest = checked_ints([num_documents, max_seqlen], [batch * sequence, sequence], broken, rules)
-    if not is_compiling() and longest > torch.iinfo(attention_mask.dtype).max:
-        raise ValueError(f"a document of {longest} tokens does not fit attention_mask's dtype {attention_mask.dtype}")
-    return seqlens[:documents].to(attention_mask.dtype)
+    parsed = _ops.varlen_metadata(attention_mask, sequence)
+    # An all-padding mask is no error here: upstream returns no lengths.
+    limit = _narrow_limit(attention_mask.dtype)
+    flags, rules = parsed.broken, _ops.mask_rules(sequence)
+    if limit is not None:
+        flags = torch.cat([flags, (parsed.max_seqlen > limit).reshape(1)])
+        rules = (*rules, _overflow_rule(attention_mask.dtype, limit))
+    (documents,) = checked_ints([parsed.num_documents], [batch * sequence], flags, rules)
+    return parsed.seqlens[:documents].to(attention_mask.dtype)
 
 
 def get_unpad_data(attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -274,22 +327,27 @@ def get_unpad_data(attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Te
 
     Raises:
         ValueError: the mask is not rank two ("shape"), has no valid token
-            ("at least one valid token"), is floating, or has negative or
-            decreasing ids.
+            ("at least one valid token"), is floating, has negative or
+            decreasing ids, or (ids above 1) a document longer than the
+            mask's dtype can count (NOTE [Narrow mask dtypes]). Under
+            ``torch.compile`` the data errors are sync-free asserts with the
+            same messages.
     """
     _check_dropin_mask(attention_mask)
     batch, sequence = attention_mask.shape
-    indices, cu_seqlens, _, max_seqlen, num_tokens, num_documents, broken = _ops.varlen_metadata(
-        attention_mask, sequence
-    )
+    parsed = _ops.varlen_metadata(attention_mask, sequence)
+    overflow = None
+    limit = _narrow_limit(attention_mask.dtype)
+    if limit is not None:
+        overflow = (parsed.max_seqlen > limit) & (attention_mask.max() > 1)
+    flags, rules = _dropin_rules(attention_mask, parsed.num_tokens, parsed.broken, overflow)
     tokens, documents, longest = checked_ints(
-        [num_tokens, num_documents, max_seqlen],
+        [parsed.num_tokens, parsed.num_documents, parsed.max_seqlen],
         [batch * sequence, batch * sequence, sequence],
-        broken,
-        _ops.mask_rules(sequence),
+        flags,
+        rules,
     )
-    _require_tokens(tokens)
-    return indices[:tokens], cu_seqlens[: documents + 1], longest
+    return parsed.indices[:tokens], parsed.cu_seqlens[: documents + 1], longest
 
 
 def build_packed_sequence_metadata(attention_mask: torch.Tensor) -> PackedSequenceMetadata:
@@ -306,29 +364,30 @@ def build_packed_sequence_metadata(attention_mask: torch.Tensor) -> PackedSequen
         mask: ``cu_seqlens = [[0, 2, 5], [0, 4, -1]]``.
 
     Raises:
-        ValueError: as :func:`get_unpad_data`.
+        ValueError: as :func:`get_unpad_data` (the dtype rule applies per
+            row, as upstream counts each row apart).
     """
     _check_dropin_mask(attention_mask)
     batch, sequence = attention_mask.shape
-    packed_token_indices, cu_seqlens, max_seqlen, num_documents, broken = _ops.batch_metadata(attention_mask, sequence)
+    parsed = _ops.batch_metadata(attention_mask, sequence)
+    overflow = None
+    limit = _narrow_limit(attention_mask.dtype)
+    if limit is not None:
+        overflow = ((parsed.row_max_seqlen > limit) & (attention_mask.amax(1) > 1)).any()
+    num_tokens = (parsed.packed_token_indices >= 0).sum()
+    flags, rules = _dropin_rules(attention_mask, num_tokens, parsed.broken, overflow)
     id_bound = 1 if attention_mask.dtype == torch.bool else int(torch.iinfo(attention_mask.dtype).max)
     largest_id = attention_mask.max().to(torch.int64).clamp_min(1)
-    documents, width, longest = checked_ints(
-        [num_documents.sum(), largest_id, max_seqlen],
-        [batch * sequence, id_bound, sequence],
-        broken,
-        _ops.mask_rules(sequence),
-    )
-    _require_tokens(documents)
+    width, longest = checked_ints([largest_id, parsed.row_max_seqlen.max()], [id_bound, sequence], flags, rules)
     # Upstream sizes the rows by the largest id, which gaps in ids can push
     # past the static capacity: pad with -1, then cut to the upstream width.
-    filler = cu_seqlens.new_full((batch, width + 1), -1)
-    cu_seqlens = torch.cat([cu_seqlens, filler], dim=1)[:, : width + 1]
-    return {"packed_token_indices": packed_token_indices, "cu_seqlens": cu_seqlens, "max_seqlen": longest}
+    filler = parsed.cu_seqlens.new_full((batch, width + 1), -1)
+    cu_seqlens = torch.cat([parsed.cu_seqlens, filler], dim=1)[:, : width + 1]
+    return {"packed_token_indices": parsed.packed_token_indices, "cu_seqlens": cu_seqlens, "max_seqlen": longest}
 
 
-_FLAT_METADATA_ERROR = "Flat packed sequence metadata must start at zero and cover every token index"
-_BATCH_METADATA_ERROR = "Each packed sequence metadata row must start at zero, be monotonic, and cover its valid tokens"
+_FLAT_RULES = (Rule("Flat packed sequence metadata must start at zero and cover every token index"),)
+_NO_DOCUMENT = Rule("batch-major metadata must hold at least one document", _ops.FLATTEN_RULES[0].upstream)
 
 
 def flatten_packed_sequence_metadata(
@@ -355,34 +414,30 @@ def flatten_packed_sequence_metadata(
         as int64).
 
     Raises:
-        ValueError: inconsistent layouts or boundaries, with upstream's messages.
+        ValueError: inconsistent layouts or boundaries, with upstream's
+            messages. Under ``torch.compile`` the checks of values are
+            sync-free asserts with the same messages.
     """
     _check_metadata_dtypes(packed_token_indices, cu_seqlens)
     if packed_token_indices.ndim == 1 and cu_seqlens.ndim == 1:
         if cu_seqlens.numel() < 2:
-            raise ValueError(_FLAT_METADATA_ERROR)
-        if not is_compiling():
-            broken = (
-                (cu_seqlens[0] != 0)
-                | (cu_seqlens[-1] != packed_token_indices.numel())
-                | (cu_seqlens[1:] < cu_seqlens[:-1]).any()
-            )
-            if bool(broken):
-                raise ValueError(_FLAT_METADATA_ERROR)
+            raise ValueError(_FLAT_RULES[0].message)
+        broken = (
+            (cu_seqlens[0] != 0)
+            | (cu_seqlens[-1] != packed_token_indices.numel())
+            | (cu_seqlens[1:] < cu_seqlens[:-1]).any()
+        )
+        checked_ints([], [], broken.reshape(1), _FLAT_RULES)
         return packed_token_indices.to(torch.long), cu_seqlens
     _check_metadata_shapes(packed_token_indices, cu_seqlens, batch_size, sequence_length)
     if packed_token_indices.numel() == 0:
-        raise ValueError(_BATCH_METADATA_ERROR)
-    indices, flat_cu_seqlens, num_tokens, num_documents, broken = _ops.flatten_metadata(
-        packed_token_indices, cu_seqlens
-    )
+        raise ValueError(_NO_DOCUMENT.drop_in)
+    flat = _ops.flatten_metadata(packed_token_indices, cu_seqlens)
+    flags = torch.cat([flat.broken, (flat.num_documents == 0).reshape(1)])
     tokens, documents = checked_ints(
-        [num_tokens, num_documents],
+        [flat.num_tokens, flat.num_documents],
         [packed_token_indices.numel(), cu_seqlens.numel()],
-        broken,
-        _ops.FLATTEN_RULES,
-        message=_BATCH_METADATA_ERROR,
+        flags,
+        (*_ops.FLATTEN_RULES, _NO_DOCUMENT),
     )
-    if not is_compiling() and documents == 0:
-        raise ValueError(_BATCH_METADATA_ERROR)
-    return indices[:tokens], flat_cu_seqlens[: documents + 1]
+    return flat.indices[:tokens], flat.cu_seqlens[: documents + 1]

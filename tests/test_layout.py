@@ -202,10 +202,10 @@ def test_aligned_length_fits_every_valid_table(tables, alignment):
 
 
 DATA_RULES = {
-    "absent document with a span": ([[3, 0]], [[3, 2]], 9, 8, layout_ops.LAYOUT_RULES[0]),
-    "negative length": ([[3, -2]], [[3, -2]], 9, 8, layout_ops.LAYOUT_RULES[1]),
-    "span shorter than its length": ([[3, 4]], [[3, 3]], 9, 8, layout_ops.LAYOUT_RULES[2]),
-    "spans past the input row": ([[3, 4], [1, 0]], [[4, 4], [1, 0]], 7, 8, layout_ops.LAYOUT_RULES[3]),
+    "absent document with a span": ([[3, 0]], [[3, 2]], 9, 8, layout_ops.layout_rules(8)[0].message),
+    "negative length": ([[3, -2]], [[3, -2]], 9, 8, layout_ops.layout_rules(8)[1].message),
+    "span shorter than its length": ([[3, 4]], [[3, 3]], 9, 8, layout_ops.layout_rules(8)[2].message),
+    "spans past the input row": ([[3, 4], [1, 0]], [[4, 4], [1, 0]], 7, 8, layout_ops.layout_rules(8)[3].message),
     "documents do not fit length": ([[3, 4], [1, 1]], None, 9, 4, "do not fit length=4"),
 }
 

@@ -18,20 +18,15 @@ job is to read values back).
    so output shapes are visibly a function of input shapes and static
    arguments only.
 
-Data checks never read a value back to the host. Mask ops return one bool
-flag per rule, which callers enforce with :func:`assert_rules` (static API:
-``torch._assert_async``, a plain exception in eager on the CPU, an
-asynchronous device assert on a GPU and in Inductor's generated code) or
-:func:`checked_ints` (drop-ins: read with their sizes, then ``ValueError``);
-the layout op and ``pad`` assert inside their bodies.
+Data checks never read a value back to the host: see NOTE [One way to
+report a broken rule] below.
 """
 
 from __future__ import annotations
 
-import hashlib
+import functools
 from collections.abc import Callable
-from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch._C import DispatchKey
@@ -40,9 +35,8 @@ NAMESPACE = "packfn"
 
 __all__ = [
     "NAMESPACE",
-    "assert_async",
+    "Rule",
     "assert_rules",
-    "cache_key_tag",
     "checked_ints",
     "named_value",
     "packfn_op",
@@ -54,6 +48,7 @@ def packfn_op(
     name: str,
     *,
     fake: Callable[..., Any],
+    outputs: type[tuple] | None = None,
     backward: Callable[..., Any] | None = None,
     setup_context: Callable[..., None] | None = None,
 ) -> Callable[[Callable[..., Any]], Any]:
@@ -63,13 +58,18 @@ def packfn_op(
         name: Op name inside the ``packfn`` namespace.
         fake: Meta implementation; must compute output shapes from input
             shapes and static arguments only.
+        outputs: A NamedTuple class naming the op's outputs. The decorated
+            name then calls the op and returns that NamedTuple, so callers
+            read ``parsed.num_tokens``, never ``outputs[4]``; the op itself
+            stays ``torch.ops.packfn.<name>`` (plain tuples).
         backward: Optional ``register_autograd`` backward for differentiable
             outputs.
         setup_context: Saves what ``backward`` needs.
 
     Returns:
         A decorator that takes the typed math function and returns the
-        ``torch.library.CustomOpDef`` (callable like the function).
+        ``torch.library.CustomOpDef`` (callable like the function), or with
+        ``outputs`` a function returning the NamedTuple.
     """
 
     def register(math: Callable[..., Any]) -> Any:
@@ -79,7 +79,14 @@ def packfn_op(
         overload.py_impl(DispatchKey.CompositeImplicitAutograd)(math)
         if backward is not None:
             op.register_autograd(backward, setup_context=setup_context)
-        return op
+        if outputs is None:
+            return op
+
+        @functools.wraps(math)
+        def call(*args: Any) -> Any:
+            return outputs(*op(*args))
+
+        return call
 
     return register
 
@@ -91,11 +98,6 @@ def named_value(name: str, value: object) -> str:
     and a SymInt cannot be formatted into a string inside a traced graph.
     """
     return name if torch.compiler.is_compiling() else f"{name}={value}"
-
-
-def assert_async(condition: torch.Tensor, message: str) -> None:
-    """Check a 0-d bool tensor without a host sync; ``message`` names the broken rule."""
-    torch._assert_async(condition, message)
 
 
 # NOTE [Data-dependent sizes without graph breaks]
@@ -130,6 +132,8 @@ def python_ints(values: list[torch.Tensor], bounds: list[int]) -> tuple[int, ...
     Eager: one host sync for all values. Under torch.compile or torch.export:
     unbacked SymInts, no graph break (NOTE [Data-dependent sizes without graph breaks]).
     """
+    if not values:
+        return ()
     # Clamped into the declared range: values read alongside broken-rule
     # flags (``checked_ints``) may be meaningless, never out of range.
     stacked = torch.stack(
@@ -138,51 +142,71 @@ def python_ints(values: list[torch.Tensor], bounds: list[int]) -> tuple[int, ...
     return tuple(_sizes(stacked, list(bounds)).shape[:-1])
 
 
-def assert_rules(broken: torch.Tensor, rules: tuple[str, ...]) -> None:
+# NOTE [One way to report a broken rule]
+# An op never raises on data and never asserts inside its body. Its last
+# output, ``broken``, is a bool vector with one flag per data rule of its
+# family, computed in the same fused pass as the results. Each family keeps
+# one table of :class:`Rule` s in flag order, and two helpers enforce the
+# flags for every caller:
+#
+# - :func:`assert_rules`, the static path: one ``torch._assert_async`` per
+#   rule, with the rule's message. No host sync: a ``RuntimeError`` in
+#   eager on the CPU, an asynchronous device assert on a GPU and in
+#   Inductor's generated code.
+# - :func:`checked_ints`, the drop-ins: in eager one host sync reads the
+#   flags together with the drop-in's data-dependent sizes and raises
+#   ``ValueError`` with the first broken rule's upstream message; under
+#   torch.compile / torch.export the same message goes into a sync-free
+#   assert and the sizes become unbacked SymInts.
+#
+# So an eager drop-in never hits a device-side assert (which would poison a
+# CUDA context) and never validates twice, and a drop-in says the same
+# thing compiled and eager.
+
+
+class Rule(NamedTuple):
+    """One data rule of an op family, as its ops flag it.
+
+    Attributes:
+        message: What the static path's assert says: the broken rule, named.
+        upstream: What the drop-ins raise instead (upstream's ``ValueError``
+            text), where upstream raises something else; ``None`` keeps
+            ``message``.
+    """
+
+    message: str
+    upstream: str | None = None
+
+    @property
+    def drop_in(self) -> str:
+        return self.message if self.upstream is None else self.upstream
+
+
+def assert_rules(broken: torch.Tensor, rules: tuple[Rule, ...], *, drop_in: bool = False) -> None:
     """Sync-free check of an op's rule flags: bool ``[len(rules)]``, True where a rule is broken."""
     for index, rule in enumerate(rules):
-        assert_async(~broken[index], rule)
+        torch._assert_async(~broken[index], rule.drop_in if drop_in else rule.message)
 
 
 def checked_ints(
-    values: list[torch.Tensor],
-    bounds: list[int],
-    broken: torch.Tensor,
-    rules: tuple[str, ...],
-    *,
-    message: str | None = None,
+    values: list[torch.Tensor], bounds: list[int], broken: torch.Tensor, rules: tuple[Rule, ...]
 ) -> tuple[int, ...]:
     """Read ``values`` as ints for a drop-in, enforcing the rule flags ``broken``.
 
+    See NOTE [One way to report a broken rule].
+
     Eager: one host sync reads the values and the flags together, then a
-    ``ValueError`` names the first broken rule (or says ``message``). Under
-    torch.compile / torch.export: sync-free asserts and unbacked SymInts.
+    ``ValueError`` carries the first broken rule's upstream message. Under
+    torch.compile / torch.export: sync-free asserts with the same messages,
+    and unbacked SymInts.
     """
     if torch.compiler.is_compiling():
-        assert_rules(broken, rules)
+        assert_rules(broken, rules, drop_in=True)
         return python_ints(values, bounds)
     weights = 2 ** torch.arange(len(rules), device=broken.device)
     code_tensor = (broken.long() * weights).sum()
     *ints, code = python_ints([*values, code_tensor], [*bounds, 2 ** len(rules)])
     if code:
         first = (code & -code).bit_length() - 1
-        raise ValueError(message or rules[first])
+        raise ValueError(rules[first].drop_in)
     return tuple(ints)
-
-
-def cache_key_tag() -> str:
-    """A tag for ``torch.compiler.config.cache_key_tag`` that changes whenever a packfn op changes.
-
-    NOTE [Compile caches do not see decompositions]
-    torch.compile's caches (FX graph and AOTAutograd) key on the graph that
-    *calls* ``torch.ops.packfn.*``, not on the Python decomposition that
-    Inductor inlines: after an upgrade of packfn, a warm cache can serve
-    code compiled from the old decompositions. Tagging the cache with a
-    digest of the op sources breaks it exactly when they change::
-
-        torch.compiler.config.cache_key_tag = packfn.cache_key_tag()
-    """
-    digest = hashlib.sha256()
-    for source in sorted(Path(__file__).parent.glob("*.py")):
-        digest.update(source.read_bytes())
-    return f"packfn-{digest.hexdigest()[:16]}"

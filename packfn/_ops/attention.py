@@ -7,9 +7,10 @@ document does not split it (except in the physical varlen boundaries, which
 follow upstream and cut at every id change).
 
 Every op that reads a mask never raises on its data: its last output is
-``broken``, bool ``[len(MASK_RULES)]``, one flag per rule, computed in the
-same pass. The public functions enforce the flags: sync-free asserts on the
-static path, one host read (shared with the read of the sizes) in the drop-ins.
+``broken``, bool ``[3]``, one flag per rule of :func:`packfn._ops.metadata.mask_rules`
+(the table of the mask family), computed in the same pass; ``pad`` flags a
+malformed permutation the same way. The public functions enforce the flags
+(NOTE [One way to report a broken rule]).
 
 NOTE [Unpad and pad are each other's backward]
 ``unpad`` and ``pad`` are both gathers driven by the varlen permutation
@@ -31,36 +32,50 @@ leak), and the gradient of a padding token through ``unpad`` is zero.
 ``indices`` would be an indirect store; instead the inverse is read off the
 structure of ``indices`` with a binary search (a valid position ``j`` is the
 ``k``-th valid token where ``k`` counts the valid positions before it, a
-padding position is ``num_tokens + j - k``), and checked with a sync-free assert
-inside the op (the one data check an op here makes itself: a wrong
-permutation would silently move activations): ``indices`` gathered by the
-inverse must give back every position.
+padding position is ``num_tokens + j - k``), and checked (a wrong permutation
+would silently move activations): ``indices`` gathered by the inverse must
+give back every position, else ``pad`` flags :data:`PAD_RULES`.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
-from packfn._ops._registry import assert_async, packfn_op
-from packfn._ops.metadata import _compact, _parse_mask
+from packfn._ops._registry import Rule, packfn_op
+from packfn._ops.metadata import _compact, _parse_mask, mask_rules
 
-__all__ = ["MASK_RULES", "block_causal_mask", "document_kv_blocks", "pad", "physical_varlen_metadata", "unpad"]
+__all__ = [
+    "PAD_RULES",
+    "BlockCausalOutputs",
+    "DocumentKvBlocks",
+    "PhysicalVarlenOutputs",
+    "block_causal_mask",
+    "document_kv_blocks",
+    "document_rules",
+    "pad",
+    "physical_varlen_metadata",
+    "unpad",
+]
 
-MASK_RULES = (
-    "document_ids must not contain negative document ids",
-    "document_ids must not decrease along a row (an id reappears after a different id, or ids are out of order)",
-)
-"""Data rules of a document-id mask, in the order of the ops' ``broken`` flags."""
+
+def document_rules(document_ids: torch.Tensor) -> tuple[Rule, ...]:
+    """The mask rules (:func:`packfn._ops.metadata.mask_rules`) for a mask named ``document_ids``.
+
+    With ``D = sequence`` the third rule (too many documents) never breaks.
+    """
+    return mask_rules(document_ids.shape[1], "document_ids")
 
 
 def _broken(ids: torch.Tensor) -> torch.Tensor:
-    """Bool ``[len(MASK_RULES)]`` of ``[batch, sequence]`` ids: the first two rules of mask parsing, shared."""
-    return _parse_mask(ids, ids.shape[1]).broken[: len(MASK_RULES)]
+    """Bool ``[3]``: the mask rules of ``[batch, sequence]`` ids, by the shared mask parser."""
+    return _parse_mask(ids, ids.shape[1]).broken
 
 
 def _broken_fake(document_ids: torch.Tensor) -> torch.Tensor:
-    return document_ids.new_empty(len(MASK_RULES), dtype=torch.bool)
+    return document_ids.new_empty(3, dtype=torch.bool)
 
 
 # ------------------------------------------------------------- block causal
@@ -72,7 +87,14 @@ def _block_causal_mask_fake(document_ids: torch.Tensor):
     return document_ids.new_empty(batch, 1, sequence, sequence, dtype=torch.bool), _broken_fake(document_ids)
 
 
-@packfn_op("block_causal_mask", fake=_block_causal_mask_fake)
+class BlockCausalOutputs(NamedTuple):
+    """Outputs of ``packfn::block_causal_mask``."""
+
+    mask: torch.Tensor  # bool [batch, 1, sequence, sequence]
+    broken: torch.Tensor  # bool [3]: document_rules
+
+
+@packfn_op("block_causal_mask", fake=_block_causal_mask_fake, outputs=BlockCausalOutputs)
 def block_causal_mask(document_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     ids = document_ids.to(torch.int64)
     positions = torch.arange(ids.shape[1], device=ids.device)
@@ -96,7 +118,15 @@ def _physical_varlen_metadata_fake(document_ids: torch.Tensor):
     )
 
 
-@packfn_op("physical_varlen_metadata", fake=_physical_varlen_metadata_fake)
+class PhysicalVarlenOutputs(NamedTuple):
+    """Outputs of ``packfn::physical_varlen_metadata`` (no rule flags: any integer ids are valid)."""
+
+    cu_seqlens: torch.Tensor  # int32 [batch * sequence + 1]
+    max_seqlen: torch.Tensor  # int32 0-d
+    num_segments: torch.Tensor  # int64 0-d
+
+
+@packfn_op("physical_varlen_metadata", fake=_physical_varlen_metadata_fake, outputs=PhysicalVarlenOutputs)
 def physical_varlen_metadata(
     document_ids: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -114,7 +144,7 @@ def physical_varlen_metadata(
     # Boundary k is the position of the (k+1)-th start, the total once k
     # passes the last segment (empty trailing segments).
     slots = flat.numel() + 1
-    boundaries = _compact(starts, positions, slots)
+    boundaries = _compact(starts, positions, slots, search=False)
     cu_seqlens = torch.where(torch.arange(slots, device=flat.device) < num_segments, boundaries, flat.numel())
     cu_seqlens = cu_seqlens.to(torch.int32)
     max_seqlen = (cu_seqlens[1:] - cu_seqlens[:-1]).max()
@@ -146,7 +176,17 @@ def _ordered(dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return dense.sum(dim=-1, dtype=torch.int32), indices.to(torch.int32)
 
 
-@packfn_op("document_kv_blocks", fake=_document_kv_blocks_fake)
+class DocumentKvBlocks(NamedTuple):
+    """Outputs of ``packfn::document_kv_blocks``: a BlockMask's tensors and the mask rule flags."""
+
+    kv_num_blocks: torch.Tensor
+    kv_indices: torch.Tensor
+    full_kv_num_blocks: torch.Tensor
+    full_kv_indices: torch.Tensor
+    broken: torch.Tensor
+
+
+@packfn_op("document_kv_blocks", fake=_document_kv_blocks_fake, outputs=DocumentKvBlocks)
 def document_kv_blocks(
     document_ids: torch.Tensor, block_size: int, window: int | None, separate_full: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -163,7 +203,11 @@ def document_kv_blocks(
     positions = torch.arange(blocks * block_size, device=ids.device).reshape(blocks, block_size)
     past_end = blocks * block_size + 1
     last_id = ids.amax(dim=2)  # 0 for a block without a valid token
-    first_id = torch.where(valid, ids, past_end).amin(dim=2)
+    # A block without a valid token gets first id -1, which no block's last
+    # id (0 or a positive id) equals, so it shares a document with no block.
+    # (Any positive sentinel is a legal id that a real block may end with.)
+    first_id = torch.where(valid, ids, torch.iinfo(torch.int64).max).amin(dim=2)
+    first_id = torch.where(valid.any(dim=2), first_id, -1)
     last_valid = torch.where(valid, positions, -past_end).amax(dim=2)
     first_valid = torch.where(valid, positions, past_end).amin(dim=2)
     # A full block: every slot valid and one id throughout (slots past the
@@ -201,20 +245,28 @@ def _row_mask(keep: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return keep.reshape(keep.shape[0], *([1] * (like.ndim - 1)))
 
 
-def _inverse_permutation(indices: torch.Tensor, num_tokens: torch.Tensor) -> torch.Tensor:
-    """``inverse [batch*sequence]`` of the varlen permutation (NOTE [Unpad and pad are each other's backward])."""
+PAD_RULES = (
+    Rule(
+        "indices must be the varlen permutation of varlen_metadata: "
+        "the first num_tokens entries the valid positions ascending, then the padding positions ascending"
+    ),
+)
+"""The data rule of ``pad``'s inputs, flagged by its second output."""
+
+
+def _inverse_permutation(indices: torch.Tensor, num_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``inverse [batch*sequence]`` of the varlen permutation and its :data:`PAD_RULES` flags.
+
+    See NOTE [Unpad and pad are each other's backward].
+    """
     positions = torch.arange(indices.numel(), device=indices.device)
     # The valid positions, ascending, then a value past every position.
     valid_positions = torch.where(positions < num_tokens, indices, indices.numel())
     valid_before = torch.searchsorted(valid_positions, positions)
     is_valid = valid_positions.gather(0, valid_before.clamp_max(indices.numel() - 1)) == positions
     inverse = torch.where(is_valid, valid_before, num_tokens + positions - valid_before)
-    assert_async(
-        (indices.gather(0, inverse.clamp(0, indices.numel() - 1)) == positions).all(),
-        "indices must be the varlen permutation of varlen_metadata: "
-        "the first num_tokens entries the valid positions ascending, then the padding positions ascending",
-    )
-    return inverse
+    broken = (indices.gather(0, inverse.clamp(0, indices.numel() - 1)) != positions).any()
+    return inverse, broken.reshape(1)
 
 
 def _unpad_fake(values: torch.Tensor, indices: torch.Tensor, num_tokens: torch.Tensor) -> torch.Tensor:
@@ -222,9 +274,10 @@ def _unpad_fake(values: torch.Tensor, indices: torch.Tensor, num_tokens: torch.T
     return values.new_empty(values.shape[0] * values.shape[1], *values.shape[2:])
 
 
-def _pad_fake(values: torch.Tensor, indices: torch.Tensor, num_tokens: torch.Tensor, sequence: int) -> torch.Tensor:
-    """``[batch, sequence, ...]`` in the dtype of ``values``."""
-    return values.new_empty(values.shape[0] // sequence, sequence, *values.shape[1:])
+def _pad_fake(values: torch.Tensor, indices: torch.Tensor, num_tokens: torch.Tensor, sequence: int):
+    """``[batch, sequence, ...]`` in the dtype of ``values``, and the :data:`PAD_RULES` flags."""
+    padded = values.new_empty(values.shape[0] // sequence, sequence, *values.shape[1:])
+    return padded, indices.new_empty(len(PAD_RULES), dtype=torch.bool)
 
 
 def _unpad_setup(ctx, inputs, output) -> None:
@@ -235,7 +288,8 @@ def _unpad_setup(ctx, inputs, output) -> None:
 
 def _unpad_backward(ctx, grad):
     indices, num_tokens = ctx.saved_tensors
-    return pad(grad, indices, num_tokens, ctx.sequence), None, None
+    # The forward used these indices on its own: their flags were enforced there.
+    return pad(grad, indices, num_tokens, ctx.sequence)[0], None, None
 
 
 def _pad_setup(ctx, inputs, output) -> None:
@@ -243,7 +297,7 @@ def _pad_setup(ctx, inputs, output) -> None:
     ctx.save_for_backward(indices, num_tokens)
 
 
-def _pad_backward(ctx, grad):
+def _pad_backward(ctx, grad, _grad_broken):
     indices, num_tokens = ctx.saved_tensors
     return unpad(grad, indices, num_tokens), None, None, None
 
@@ -256,11 +310,13 @@ def unpad(values: torch.Tensor, indices: torch.Tensor, num_tokens: torch.Tensor)
 
 
 @packfn_op("pad", fake=_pad_fake, backward=_pad_backward, setup_context=_pad_setup)
-def pad(values: torch.Tensor, indices: torch.Tensor, num_tokens: torch.Tensor, sequence: int) -> torch.Tensor:
-    inverse = _inverse_permutation(indices, num_tokens)
+def pad(
+    values: torch.Tensor, indices: torch.Tensor, num_tokens: torch.Tensor, sequence: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    inverse, broken = _inverse_permutation(indices, num_tokens)
     keep = inverse < num_tokens
     # Padding rows read row 0 and are then zeroed: whatever the unpadded tail
     # holds (uninitialized rows of a varlen kernel, NaN) never reaches them.
     source = torch.where(keep, inverse, 0)
     padded = torch.where(_row_mask(keep, values), values.index_select(0, source), values.new_zeros(()))
-    return padded.reshape(-1, sequence, *values.shape[1:])
+    return padded.reshape(-1, sequence, *values.shape[1:]), broken

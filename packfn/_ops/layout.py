@@ -31,20 +31,40 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from packfn._ops._registry import assert_async, named_value, packfn_op
+from packfn._ops._registry import Rule, named_value, packfn_op
 
-__all__ = ["ABSENT", "LAYOUT_RULES", "DocumentTable", "aligned_layout", "pack", "restore"]
+__all__ = ["ABSENT", "AlignedLayoutOutputs", "DocumentTable", "aligned_layout", "layout_rules", "pack", "restore"]
 
 ABSENT = -1000
 """The length upstream uses (besides 0) for an absent document."""
 
-LAYOUT_RULES = (
-    "an absent document (length 0 or -1000) must not have a physical span in seq_lens_padded",
-    "seq_lens must not hold negative document lengths (other than the absent marker -1000)",
-    "a document's physical span in seq_lens_padded must not be shorter than its length in seq_lens",
-    "the documents' physical spans must not run past the input row (sequence_length)",
-)
-"""Data rules of document lengths, in the order of the last axis of :meth:`DocumentTable.violations`."""
+# Upstream's two messages: the first for an absent document with a span, the
+# second for every other broken document.
+_ABSENT_WITH_SPAN = "An absent packed document cannot have a physical span"
+_SPAN_EXCEEDED = "Packed document lengths exceed their physical spans or input row"
+
+
+def layout_rules(length: int) -> tuple[Rule, ...]:
+    """Data rules of a layout, in the order of ``aligned_layout``'s ``broken`` flags.
+
+    The first four are per document (the last axis of
+    :meth:`DocumentTable.violations`); the op flags those of the first broken
+    document in row-major order, so the first flagged rule is the error
+    upstream raises (it walks rows, then documents). The last is the static
+    row length ``length``.
+    """
+    return (
+        Rule(
+            "an absent document (length 0 or -1000) must not have a physical span in seq_lens_padded", _ABSENT_WITH_SPAN
+        ),
+        Rule("seq_lens must not hold negative document lengths (other than the absent marker -1000)", _SPAN_EXCEEDED),
+        Rule(
+            "a document's physical span in seq_lens_padded must not be shorter than its length in seq_lens",
+            _SPAN_EXCEEDED,
+        ),
+        Rule("the documents' physical spans must not run past the input row (sequence_length)", _SPAN_EXCEEDED),
+        Rule(f"the aligned documents of a row do not fit {named_value('length', length)}", _SPAN_EXCEEDED),
+    )
 
 
 class DocumentTable(NamedTuple):
@@ -82,7 +102,7 @@ class DocumentTable(NamedTuple):
         return cls(lengths, spans, present, real, input_bounds, aligned_bounds)
 
     def violations(self, sequence_length: int) -> torch.Tensor:
-        """Bool ``[batch, documents, len(LAYOUT_RULES)]``: which rule each document breaks.
+        """Bool ``[batch, documents, 4]``: which of the first four :func:`layout_rules` each document breaks.
 
         A document breaks the span rule when its span ends past the row,
         counting the spans of the present documents before it (as upstream,
@@ -94,6 +114,12 @@ class DocumentTable(NamedTuple):
         short_span = present & (self.spans < self.lengths)
         past_row = present & (self.input_bounds[:, 1:] > sequence_length)
         return torch.stack([absent_with_span, negative, short_span, past_row], dim=-1)
+
+    def first_violations(self, sequence_length: int) -> torch.Tensor:
+        """Bool ``[4]``: the rules broken by the first broken document (row-major), all False if none is."""
+        per_document = F.pad(self.violations(sequence_length).flatten(0, 1), (0, 0, 0, 1))
+        first = per_document.any(-1).to(torch.int8).argmax()
+        return per_document.index_select(0, first.reshape(1)).squeeze(0)
 
     def longest(self) -> torch.Tensor:
         """0-d int64: the longest aligned row (0 without documents, and for an empty batch)."""
@@ -111,16 +137,10 @@ def _slots(bounds: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
     return torch.searchsorted(bounds, queries, right=True) - 1
 
 
-def _check_length(alignment: int, length: int) -> None:
-    if alignment < 1 or length % alignment != 0:
-        raise ValueError(f"length={length} must be a multiple of a positive alignment={alignment}")
-
-
 def _aligned_layout_fake(
     seq_lens: torch.Tensor, seq_lens_padded: torch.Tensor, sequence_length: int, alignment: int, length: int
 ):
-    """``source_indices``, ``position_ids``, ``sequence_ids`` ``[B, length]``, ``input_positions [B, S]``, 0-d need."""
-    _check_length(alignment, length)
+    """Three ``[B, length]`` tables, ``input_positions [B, S]``, the 0-d need, flags ``[5]`` (all int64 but flags)."""
     batch = seq_lens.shape[0]
     new = seq_lens.new_empty
     return (
@@ -129,20 +149,29 @@ def _aligned_layout_fake(
         new(batch, length, dtype=torch.int64),
         new(batch, sequence_length, dtype=torch.int64),
         new((), dtype=torch.int64),
+        new(5, dtype=torch.bool),
     )
 
 
-@packfn_op("aligned_layout", fake=_aligned_layout_fake)
+class AlignedLayoutOutputs(NamedTuple):
+    """Outputs of ``packfn::aligned_layout`` (int64 tables, see the layout format above)."""
+
+    source_indices: torch.Tensor  # [batch, length]
+    position_ids: torch.Tensor  # [batch, length]
+    sequence_ids: torch.Tensor  # [batch, length]
+    input_positions: torch.Tensor  # [batch, sequence_length]
+    longest: torch.Tensor  # 0-d: the longest aligned row, what upstream's row length is made of
+    broken: torch.Tensor  # bool [5]: layout_rules
+
+
+@packfn_op("aligned_layout", fake=_aligned_layout_fake, outputs=AlignedLayoutOutputs)
 def aligned_layout(
     seq_lens: torch.Tensor, seq_lens_padded: torch.Tensor, sequence_length: int, alignment: int, length: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    _check_length(alignment, length)
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    # Callers check that length is a multiple of alignment.
     table = DocumentTable.build(seq_lens, seq_lens_padded, alignment)
-    violations = table.violations(sequence_length).flatten(0, 1).any(0)
-    for index, rule in enumerate(LAYOUT_RULES):
-        assert_async(~violations[index], rule)
     longest = table.longest()
-    assert_async(longest <= length, f"the aligned documents of a row do not fit {named_value('length', length)}")
+    broken = torch.cat([table.first_violations(sequence_length), (longest > length).reshape(1)])
     real, input_bounds, aligned_bounds = table.real, table.input_bounds, table.aligned_bounds
     batch, device = real.shape[0], real.device
     # Slot `documents` (past the last document) reads a real length of 0, so
@@ -173,7 +202,7 @@ def aligned_layout(
     shifts = aligned_bounds - input_bounds
     inside = columns < real_ends.gather(1, slot)
     input_positions = torch.where(inside, columns + shifts.gather(1, slot), -1)
-    return source_indices, position_ids, sequence_ids, input_positions, longest
+    return source_indices, position_ids, sequence_ids, input_positions, longest, broken
 
 
 # NOTE [Why pack and restore are each other's backward]

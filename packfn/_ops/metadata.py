@@ -20,27 +20,33 @@ from typing import NamedTuple
 
 import torch
 
-from packfn._ops._registry import named_value, packfn_op
+from packfn._ops._registry import Rule, named_value, packfn_op
 
-__all__ = ["FLATTEN_RULES", "batch_metadata", "flatten_metadata", "mask_rules", "varlen_metadata"]
+__all__ = [
+    "FLATTEN_RULES",
+    "BatchOutputs",
+    "FlattenOutputs",
+    "VarlenOutputs",
+    "batch_metadata",
+    "flatten_metadata",
+    "mask_rules",
+    "varlen_metadata",
+]
 
-# NOTE [Ops report broken rules, callers enforce them]
-# An op never raises on data. Its last output is a bool vector, one flag per
-# data rule (``mask_rules`` / ``FLATTEN_RULES``), computed in the same fused
-# pass as the metadata. The static API turns the flags into sync-free
-# ``torch._assert_async`` checks; the drop-ins read them in eager with the
-# same single host sync that reads their data-dependent sizes, and raise
-# upstream's ``ValueError``. So eager drop-ins never hit a device-side assert
-# (which would poison a CUDA context) and never validate twice.
 
+def mask_rules(max_documents: int, name: str = "attention_mask") -> tuple[Rule, ...]:
+    """Data rules of a packing mask named ``name``, in the order of every mask op's ``broken`` flags.
 
-def mask_rules(max_documents: int) -> tuple[str, ...]:
-    """Data rules of a packing mask, in the order of the ops' flags."""
+    Upstream does not check these (its output is inconsistent there); the
+    drop-ins raise the same messages as ``ValueError``.
+    """
     return (
-        "attention_mask must not contain negative document ids",
-        "attention_mask document ids must not decrease along a row "
-        "(an id reappears after a different id, or ids are out of order)",
-        f"a row of attention_mask holds more documents than {named_value('max_documents', max_documents)}",
+        Rule(f"{name} must not contain negative document ids"),
+        Rule(
+            f"{name} document ids must not decrease along a row "
+            "(an id reappears after a different id, or ids are out of order)"
+        ),
+        Rule(f"a row of {name} holds more documents than {named_value('max_documents', max_documents)}"),
     )
 
 
@@ -87,18 +93,36 @@ def _parse_mask(attention_mask: torch.Tensor, max_documents: int) -> _ParsedMask
     return _ParsedMask(valid.view(batch, sequence), starts.view(batch, sequence), broken, indices, valid_seen)
 
 
-def _compact(flags: torch.Tensor, values: torch.Tensor, slots: int) -> torch.Tensor:
+# Up to this many document slots per row, boundaries are found by binary
+# search; past it (the default capacity, D = sequence) by a scatter.
+_SEARCH_MAX_DOCUMENTS = 256
+
+
+def few_slots(max_documents: int) -> bool:
+    """Whether :func:`_compact` should binary-search for ``max_documents`` slots per row.
+
+    A function of the static argument alone, never of a symbolic size: a
+    branch on ``sequence`` would guard on it, so a compile with dynamic
+    shapes would recompile where the choice flips and ``torch.export`` with a
+    ``Dim`` on the sequence would fail. A ``max_documents`` that is itself
+    symbolic (the default ``D = sequence`` under dynamic shapes) takes the
+    scatter, which suits any number of slots.
+    """
+    return isinstance(max_documents, int) and max_documents <= _SEARCH_MAX_DOCUMENTS
+
+
+def _compact(flags: torch.Tensor, values: torch.Tensor, slots: int, *, search: bool) -> torch.Tensor:
     """Along the last axis, move ``values`` at the flagged positions, in order, to the first ``slots`` entries.
 
     Entries past the number of flags hold garbage; callers mask them. With
-    few slots each one binary-searches the running count of flags; with many
-    (the default capacity), the k-th flagged position goes to slot k and
-    every other position to a spare slot of its own, so a scatter writes
-    each slot at most once (deterministic, no atomics, O(sequence)).
+    ``search`` (few slots, see :func:`few_slots`) each slot binary-searches
+    the running count of flags; otherwise the k-th flagged position goes to
+    slot k and every other position to a spare slot of its own, so a scatter
+    writes each slot at most once (deterministic, no atomics, O(sequence)).
     """
     length = flags.shape[-1]
     seen = flags.long().cumsum(-1)
-    if slots * 32 <= length:
+    if search:
         targets = torch.arange(1, slots + 1, device=flags.device).expand(*flags.shape[:-1], slots).contiguous()
         return values.gather(-1, torch.searchsorted(seen, targets).clamp_max(length - 1))
     spare = slots + torch.arange(length, device=flags.device)
@@ -123,7 +147,19 @@ def _varlen_metadata_fake(attention_mask: torch.Tensor, max_documents: int):
     )
 
 
-@packfn_op("varlen_metadata", fake=_varlen_metadata_fake)
+class VarlenOutputs(NamedTuple):
+    """Outputs of ``packfn::varlen_metadata`` (the fields of :class:`packfn.VarlenMetadata`, then ``broken``)."""
+
+    indices: torch.Tensor
+    cu_seqlens: torch.Tensor
+    seqlens: torch.Tensor
+    max_seqlen: torch.Tensor
+    num_tokens: torch.Tensor
+    num_documents: torch.Tensor
+    broken: torch.Tensor
+
+
+@packfn_op("varlen_metadata", fake=_varlen_metadata_fake, outputs=VarlenOutputs)
 def varlen_metadata(
     attention_mask: torch.Tensor, max_documents: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -133,26 +169,36 @@ def varlen_metadata(
     num_tokens = valid_seen[-1]
     num_documents = starts.sum()
     slots = torch.arange(batch * max_documents + 1, device=valid.device)
-    firsts = _compact(starts, valid_seen - valid.long(), slots.numel())
+    firsts = _compact(starts, valid_seen - valid.long(), slots.numel(), search=few_slots(max_documents))
     cu_seqlens = torch.where(slots < num_documents, firsts, num_tokens).to(torch.int32)
     seqlens = cu_seqlens[1:] - cu_seqlens[:-1]
     return indices, cu_seqlens, seqlens, seqlens.max(), num_tokens.clone(), num_documents, broken
 
 
 def _batch_metadata_fake(attention_mask: torch.Tensor, max_documents: int):
-    """``packed_token_indices [B, S]``, ``cu_seqlens [B, D+1]``, ``max_seqlen``, ``num_documents [B]``, flags."""
+    """``packed_token_indices [B, S]``, ``cu_seqlens [B, D+1]``, ``row_max_seqlen``, ``num_documents [B]``, flags."""
     batch, sequence = attention_mask.shape
     new = attention_mask.new_empty
     return (
         new(batch, sequence, dtype=torch.int64),
         new(batch, max_documents + 1, dtype=torch.int32),
-        new((), dtype=torch.int32),
+        new(batch, dtype=torch.int32),
         new(batch, dtype=torch.int64),
         new(3, dtype=torch.bool),
     )
 
 
-@packfn_op("batch_metadata", fake=_batch_metadata_fake)
+class BatchOutputs(NamedTuple):
+    """Outputs of ``packfn::batch_metadata``."""
+
+    packed_token_indices: torch.Tensor  # int64 [batch, sequence]
+    cu_seqlens: torch.Tensor  # int32 [batch, D + 1]
+    row_max_seqlen: torch.Tensor  # int32 [batch]: each row's longest document (0 for an empty row)
+    num_documents: torch.Tensor  # int64 [batch]
+    broken: torch.Tensor  # bool [3]: mask_rules
+
+
+@packfn_op("batch_metadata", fake=_batch_metadata_fake, outputs=BatchOutputs)
 def batch_metadata(
     attention_mask: torch.Tensor, max_documents: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -164,20 +210,24 @@ def batch_metadata(
     valid_seen = flat_seen - (flat_seen[:, :1] - valid[:, :1].long())  # row-local running count
     num_documents = starts.sum(1, keepdim=True)
     slots = torch.arange(max_documents + 1, device=valid.device)
-    firsts = _compact(starts, valid_seen - valid.long(), slots.numel())
+    firsts = _compact(starts, valid_seen - valid.long(), slots.numel(), search=few_slots(max_documents))
     last = torch.where(slots == num_documents, valid_seen[:, -1:], -1)
     boundaries = torch.where(slots < num_documents, firsts, last)
     cu_seqlens = boundaries.to(torch.int32)
     used = boundaries[:, 1:] >= 0
     lengths = torch.where(used, boundaries[:, 1:] - boundaries[:, :-1], 0)
-    return packed_token_indices, cu_seqlens, lengths.max().to(torch.int32), num_documents.squeeze(1), broken
+    row_max_seqlen = lengths.amax(1).to(torch.int32)
+    return packed_token_indices, cu_seqlens, row_max_seqlen, num_documents.squeeze(1), broken
 
+
+# Upstream's one message for every broken rule of batch-major metadata.
+_BATCH_METADATA_ERROR = "Each packed sequence metadata row must start at zero, be monotonic, and cover its valid tokens"
 
 FLATTEN_RULES = (
-    "cu_seqlens rows must start at zero",
-    "cu_seqlens rows must be monotonic",
-    "cu_seqlens rows must not hold a boundary after a -1 entry",
-    "the last boundary of each cu_seqlens row must equal its number of valid tokens",
+    Rule("cu_seqlens rows must start at zero", _BATCH_METADATA_ERROR),
+    Rule("cu_seqlens rows must be monotonic", _BATCH_METADATA_ERROR),
+    Rule("cu_seqlens rows must not hold a boundary after a -1 entry", _BATCH_METADATA_ERROR),
+    Rule("the last boundary of each cu_seqlens row must equal its number of valid tokens", _BATCH_METADATA_ERROR),
 )
 """Data rules of batch-major metadata, in the order of the flatten op's flags."""
 
@@ -214,7 +264,17 @@ def _flatten_metadata_fake(packed_token_indices: torch.Tensor, cu_seqlens: torch
     )
 
 
-@packfn_op("flatten_metadata", fake=_flatten_metadata_fake)
+class FlattenOutputs(NamedTuple):
+    """Outputs of ``packfn::flatten_metadata``."""
+
+    indices: torch.Tensor  # int64 [batch * sequence]
+    cu_seqlens: torch.Tensor  # [batch * D + 1], dtype of the input cu_seqlens
+    num_tokens: torch.Tensor  # int64 0-d
+    num_documents: torch.Tensor  # int64 0-d
+    broken: torch.Tensor  # bool [4]: FLATTEN_RULES
+
+
+@packfn_op("flatten_metadata", fake=_flatten_metadata_fake, outputs=FlattenOutputs)
 def flatten_metadata(
     packed_token_indices: torch.Tensor, cu_seqlens: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
