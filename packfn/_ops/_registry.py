@@ -18,6 +18,14 @@ job is to read values back).
    so output shapes are visibly a function of input shapes and static
    arguments only.
 
+NOTE [Eager kernels]
+Where fewer, larger aten calls are faster in eager than the fusable body
+(a running maximum, say, which Inductor does not lower on the CPU), an op
+takes a second body, ``eager=``, as its custom-op kernel; the first body
+stays the decomposition. Both compute the same outputs wherever the op's
+data rules hold (on broken data, the same first broken rule); the tests hold
+the two equal on generated inputs through ``<op>.math`` and ``<op>.eager``.
+
 Data checks never read a value back to the host: see NOTE [One way to
 report a broken rule] below.
 """
@@ -49,6 +57,7 @@ def packfn_op(
     *,
     fake: Callable[..., Any],
     outputs: type[tuple] | None = None,
+    eager: Callable[..., Any] | None = None,
     backward: Callable[..., Any] | None = None,
     setup_context: Callable[..., None] | None = None,
 ) -> Callable[[Callable[..., Any]], Any]:
@@ -62,6 +71,8 @@ def packfn_op(
             name then calls the op and returns that NamedTuple, so callers
             read ``parsed.num_tokens``, never ``outputs[4]``; the op itself
             stays ``torch.ops.packfn.<name>`` (plain tuples).
+        eager: A faster eager kernel with ``math``'s signature (NOTE [Eager
+            kernels]); ``math`` then serves as the decomposition only.
         backward: Optional ``register_autograd`` backward for differentiable
             outputs.
         setup_context: Saves what ``backward`` needs.
@@ -73,19 +84,23 @@ def packfn_op(
     """
 
     def register(math: Callable[..., Any]) -> Any:
-        op = torch.library.custom_op(f"{NAMESPACE}::{name}", mutates_args=())(math)
+        kernel = math if eager is None else eager
+        op = torch.library.custom_op(f"{NAMESPACE}::{name}", mutates_args=())(kernel)
         op.register_fake(fake)
         overload = getattr(torch.ops.packfn, name).default
         overload.py_impl(DispatchKey.CompositeImplicitAutograd)(math)
         if backward is not None:
             op.register_autograd(backward, setup_context=setup_context)
         if outputs is None:
+            op.math, op.eager = math, kernel
             return op
 
-        @functools.wraps(math)
-        def call(*args: Any) -> Any:
-            return outputs(*op(*args))
+        def named(function: Callable[..., Any]) -> Callable[..., Any]:
+            return functools.wraps(math)(lambda *args: outputs(*function(*args)))
 
+        call = named(op)
+        # The two bodies, callable on their own (the tests hold them equal).
+        call.math, call.eager = named(math), named(kernel)
         return call
 
     return register

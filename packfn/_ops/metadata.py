@@ -60,6 +60,18 @@ class _ParsedMask(NamedTuple):
     valid_seen: torch.Tensor  # int64 [batch * sequence]: valid tokens at or before each position
 
 
+def _valid_first(valid: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``values`` (1-d) at the ``valid`` positions in order, then at the others in order; and the running valid count.
+
+    A scatter that writes each slot once: valid position ``p`` goes to its
+    rank ``valid_seen[p] - 1``, any other to ``num_tokens + (others before p)``.
+    """
+    valid_seen = valid.cumsum(0)
+    positions = torch.arange(valid.numel(), device=valid.device)
+    destination = torch.where(valid, valid_seen - 1, (positions - valid_seen).add_(valid_seen[-1]))
+    return torch.empty_like(values).scatter_(0, destination, values), valid_seen
+
+
 def _parse_mask(attention_mask: torch.Tensor, max_documents: int) -> _ParsedMask:
     """Find the documents of a ``[batch, sequence]`` mask in a few fused passes.
 
@@ -75,11 +87,7 @@ def _parse_mask(attention_mask: torch.Tensor, max_documents: int) -> _ParsedMask
     batch, sequence = attention_mask.shape
     ids = attention_mask.to(torch.int64).reshape(-1)
     valid = ids != 0
-    positions = torch.arange(ids.numel(), device=ids.device)
-    valid_seen = valid.cumsum(0)
-    num_tokens = valid_seen[-1]
-    destination = torch.where(valid, valid_seen - 1, num_tokens + positions - valid_seen)
-    indices = torch.empty_like(positions).scatter(0, destination, positions)
+    indices, valid_seen = _valid_first(valid, torch.arange(ids.numel(), device=ids.device))
     earlier = valid_seen - valid.long()  # valid tokens before each position
     # The last of them (any position when there is none); index_select is
     # the fast 1-d gather in eager (advanced indexing is several times slower).
@@ -91,6 +99,28 @@ def _parse_mask(attention_mask: torch.Tensor, max_documents: int) -> _ParsedMask
     per_row = starts.view(batch, sequence).sum(dim=1)
     broken = torch.stack([(ids < 0).any(), (valid & (ids < before)).any(), (per_row > max_documents).any()])
     return _ParsedMask(valid.view(batch, sequence), starts.view(batch, sequence), broken, indices, valid_seen)
+
+
+def _parse_mask_eager(attention_mask: torch.Tensor, max_documents: int) -> _ParsedMask:
+    """:func:`_parse_mask` in fewer, larger aten calls, for the eager kernels (NOTE [Eager kernels]).
+
+    Where the mask rules hold (no negative id, ids never decrease along the
+    valid tokens of a row), the running maximum of a row before a position is
+    the id of the last valid token before it (0 if there is none), so one
+    ``cummax`` replaces the permutation gathers; a valid id below the running
+    maximum is exactly a decrease. On broken masks the flags may differ from
+    :func:`_parse_mask`'s past the first broken rule, which is the same.
+    """
+    ids = attention_mask.view(torch.uint8) if attention_mask.dtype == torch.bool else attention_mask
+    valid = ids != 0
+    running = ids.cummax(1).values
+    starts = valid.clone()
+    starts[:, 1:] &= ids[:, 1:] != running[:, :-1]
+    negative = ids.min() < 0 if ids.dtype.is_signed else valid.new_zeros(())
+    decreasing = (valid & (ids != running)).any()
+    broken = torch.stack([negative, decreasing, starts.sum(1).max() > max_documents])
+    indices, valid_seen = _valid_first(valid.view(-1), torch.arange(valid.numel(), device=ids.device))
+    return _ParsedMask(valid, starts, broken, indices, valid_seen)
 
 
 # Up to this many document slots per row, boundaries are found by binary
@@ -121,14 +151,14 @@ def _compact(flags: torch.Tensor, values: torch.Tensor, slots: int, *, search: b
     writes each slot at most once (deterministic, no atomics, O(sequence)).
     """
     length = flags.shape[-1]
-    seen = flags.long().cumsum(-1)
+    seen = flags.cumsum(-1)
     if search:
         targets = torch.arange(1, slots + 1, device=flags.device).expand(*flags.shape[:-1], slots).contiguous()
         return values.gather(-1, torch.searchsorted(seen, targets).clamp_max(length - 1))
     spare = slots + torch.arange(length, device=flags.device)
     target = torch.where(flags, seen - 1, spare)
-    buffer = values.new_zeros((*flags.shape[:-1], slots + length))
-    return buffer.scatter(-1, target, values)[..., :slots]
+    buffer = values.new_empty((*flags.shape[:-1], slots + length))
+    return buffer.scatter_(-1, target, values)[..., :slots]
 
 
 def _varlen_metadata_fake(attention_mask: torch.Tensor, max_documents: int):
@@ -159,20 +189,30 @@ class VarlenOutputs(NamedTuple):
     broken: torch.Tensor
 
 
-@packfn_op("varlen_metadata", fake=_varlen_metadata_fake, outputs=VarlenOutputs)
+def _varlen_from(parsed: _ParsedMask, batch: int, max_documents: int):
+    valid, starts = parsed.valid.reshape(-1), parsed.starts.reshape(-1)
+    num_tokens = parsed.valid_seen[-1]
+    num_documents = starts.sum()
+    slots = torch.arange(batch * max_documents + 1, device=valid.device)
+    # A start is valid, so the valid tokens before it are its running count minus one.
+    firsts = _compact(starts, parsed.valid_seen - 1, slots.numel(), search=few_slots(max_documents))
+    cu_seqlens = torch.where(slots < num_documents, firsts, num_tokens).to(torch.int32)
+    seqlens = cu_seqlens[1:] - cu_seqlens[:-1]
+    return parsed.indices, cu_seqlens, seqlens, seqlens.max(), num_tokens.clone(), num_documents, parsed.broken
+
+
+def _varlen_metadata_eager(
+    attention_mask: torch.Tensor, max_documents: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    parsed = _parse_mask_eager(attention_mask, max_documents)
+    return _varlen_from(parsed, attention_mask.shape[0], max_documents)
+
+
+@packfn_op("varlen_metadata", fake=_varlen_metadata_fake, outputs=VarlenOutputs, eager=_varlen_metadata_eager)
 def varlen_metadata(
     attention_mask: torch.Tensor, max_documents: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    valid, starts, broken, indices, valid_seen = _parse_mask(attention_mask, max_documents)
-    batch = attention_mask.shape[0]
-    valid, starts = valid.reshape(-1), starts.reshape(-1)
-    num_tokens = valid_seen[-1]
-    num_documents = starts.sum()
-    slots = torch.arange(batch * max_documents + 1, device=valid.device)
-    firsts = _compact(starts, valid_seen - valid.long(), slots.numel(), search=few_slots(max_documents))
-    cu_seqlens = torch.where(slots < num_documents, firsts, num_tokens).to(torch.int32)
-    seqlens = cu_seqlens[1:] - cu_seqlens[:-1]
-    return indices, cu_seqlens, seqlens, seqlens.max(), num_tokens.clone(), num_documents, broken
+    return _varlen_from(_parse_mask(attention_mask, max_documents), attention_mask.shape[0], max_documents)
 
 
 def _batch_metadata_fake(attention_mask: torch.Tensor, max_documents: int):
@@ -198,26 +238,37 @@ class BatchOutputs(NamedTuple):
     broken: torch.Tensor  # bool [3]: mask_rules
 
 
-@packfn_op("batch_metadata", fake=_batch_metadata_fake, outputs=BatchOutputs)
-def batch_metadata(
-    attention_mask: torch.Tensor, max_documents: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    valid, starts, broken, _, flat_seen = _parse_mask(attention_mask, max_documents)
-    batch, sequence = attention_mask.shape
+def _batch_from(parsed: _ParsedMask, max_documents: int):
+    valid, starts = parsed.valid, parsed.starts
+    batch, sequence = valid.shape
     columns = torch.arange(sequence, device=valid.device)
     packed_token_indices = torch.where(valid, columns, -1)
-    flat_seen = flat_seen.view(batch, sequence)
-    valid_seen = flat_seen - (flat_seen[:, :1] - valid[:, :1].long())  # row-local running count
+    flat_seen = parsed.valid_seen.view(batch, sequence)
+    # Row-local running counts: minus the valid tokens of the rows before.
+    valid_seen = flat_seen - (flat_seen[:, :1] - valid[:, :1].long())
     num_documents = starts.sum(1, keepdim=True)
     slots = torch.arange(max_documents + 1, device=valid.device)
-    firsts = _compact(starts, valid_seen - valid.long(), slots.numel(), search=few_slots(max_documents))
+    firsts = _compact(starts, valid_seen - 1, slots.numel(), search=few_slots(max_documents))
     last = torch.where(slots == num_documents, valid_seen[:, -1:], -1)
     boundaries = torch.where(slots < num_documents, firsts, last)
     cu_seqlens = boundaries.to(torch.int32)
     used = boundaries[:, 1:] >= 0
     lengths = torch.where(used, boundaries[:, 1:] - boundaries[:, :-1], 0)
     row_max_seqlen = lengths.amax(1).to(torch.int32)
-    return packed_token_indices, cu_seqlens, row_max_seqlen, num_documents.squeeze(1), broken
+    return packed_token_indices, cu_seqlens, row_max_seqlen, num_documents.squeeze(1), parsed.broken
+
+
+def _batch_metadata_eager(
+    attention_mask: torch.Tensor, max_documents: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _batch_from(_parse_mask_eager(attention_mask, max_documents), max_documents)
+
+
+@packfn_op("batch_metadata", fake=_batch_metadata_fake, outputs=BatchOutputs, eager=_batch_metadata_eager)
+def batch_metadata(
+    attention_mask: torch.Tensor, max_documents: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _batch_from(_parse_mask(attention_mask, max_documents), max_documents)
 
 
 # Upstream's one message for every broken rule of batch-major metadata.
@@ -232,9 +283,8 @@ FLATTEN_RULES = (
 """Data rules of batch-major metadata, in the order of the flatten op's flags."""
 
 
-def _flatten_violations(packed_token_indices: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
-    """Bool ``[len(FLATTEN_RULES)]``: which rule of batch-major metadata is broken."""
-    valid_tokens = packed_token_indices >= 0
+def _flatten_violations(valid_tokens: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """Bool ``[len(FLATTEN_RULES)]``: the broken rules of batch-major metadata (``valid_tokens``: bool ``[B, S]``)."""
     valid_bounds = cu_seqlens >= 0
     after_gap = valid_bounds & ((~valid_bounds).cumsum(dim=1) > 0)
     pairs = valid_bounds[:, 1:] & valid_bounds[:, :-1]
@@ -283,14 +333,11 @@ def flatten_metadata(
     device = packed_token_indices.device
     # Token stream: valid tokens (their index values made flat) in row-major
     # order, then the padding positions in order, as in varlen_metadata.
-    valid = (packed_token_indices >= 0).reshape(-1)
+    valid = packed_token_indices >= 0
     positions = torch.arange(valid.numel(), device=device)
     row_offsets = torch.arange(batch, device=device).unsqueeze(1) * sequence
-    values = torch.where(valid, (packed_token_indices.long() + row_offsets).reshape(-1), positions)
-    valid_seen = valid.cumsum(0)
-    num_tokens = valid_seen[-1]
-    destination = torch.where(valid, valid_seen - 1, num_tokens + positions - valid_seen)
-    indices = torch.empty_like(positions).scatter(0, destination, values)
+    values = torch.where(valid, packed_token_indices + row_offsets, positions.view(batch, sequence))
+    indices, _ = _valid_first(valid.view(-1), values.view(-1))
     # Document k of the flat stream lives in the row whose running document
     # count first exceeds k; its boundary is that row's token offset plus the
     # row-local boundary.
@@ -307,5 +354,5 @@ def flatten_metadata(
     total = tokens_through[-1]
     flat = torch.where(inside, boundary, total)
     flat_cu_seqlens = torch.cat([flat.new_zeros(1), flat]).to(cu_seqlens.dtype)
-    broken = _flatten_violations(packed_token_indices, cu_seqlens)
+    broken = _flatten_violations(valid, cu_seqlens)
     return indices, flat_cu_seqlens, total.clone(), documents_through[-1].clone(), broken

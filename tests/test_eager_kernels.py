@@ -1,0 +1,55 @@
+"""Ops with a separate eager kernel (NOTE [Eager kernels]) compute what their decomposition computes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from assertions import assert_same
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+from strategies import packing_masks
+
+from packfn._ops import metadata as ops
+
+EAGER_OPS = [ops.varlen_metadata, ops.batch_metadata]
+
+
+def test_every_listed_op_has_its_own_eager_kernel():
+    for op in EAGER_OPS:
+        assert op.eager is not op.math
+
+
+def assert_same_outputs(op, *args) -> None:
+    """Equal outputs where no rule breaks; otherwise the same first broken rule."""
+    expected, actual = op.math(*args), op.eager(*args)
+    if expected.broken.any() or actual.broken.any():
+        assert expected.broken.any() and actual.broken.any(), (args, expected.broken, actual.broken)
+        assert int(expected.broken.int().argmax()) == int(actual.broken.int().argmax()), (args, expected, actual)
+    else:
+        assert_same(tuple(actual), tuple(expected))
+
+
+@pytest.mark.parametrize("op", EAGER_OPS, ids=lambda op: op.__name__)
+@settings(max_examples=150, deadline=None)
+@given(mask=packing_masks(max_sequence=96), capacity=st.sampled_from([1, 2, 5, 300, None]))
+@example(mask=torch.tensor([[0, 0]]), capacity=None)
+@example(mask=torch.tensor([[3, 0, 3, 5]], dtype=torch.uint8), capacity=2)
+def test_eager_kernel_matches_decomposition(op, mask, capacity):
+    assert_same_outputs(op, mask, capacity or mask.shape[1])
+
+
+BROKEN = {
+    "decreasing": [[2, 1, 0]],
+    "negative before positive": [[-1, 0, 2]],
+    "negative repeated": [[1, 0, -3, -3]],
+    "too many documents": [[1, 2, 3, 4]],
+    "decrease after padding": [[1, 2, 0, 1]],
+}
+
+
+@pytest.mark.parametrize("op", EAGER_OPS, ids=lambda op: op.__name__)
+@pytest.mark.parametrize("name", sorted(BROKEN))
+def test_eager_kernel_reports_the_same_first_broken_rule(op, name):
+    mask = torch.tensor(BROKEN[name])
+    assert_same_outputs(op, mask, 2)
+    assert op.eager(mask, 2).broken.any()
