@@ -162,6 +162,14 @@ def packed_seq_params_from_doc_ids(doc_ids: torch.Tensor) -> PackedSeqParams:
     if isinstance(doc_ids, torch.Tensor) and doc_ids.dim() != 2:
         raise ValueError(f"doc_ids must be 2D [batch, sequence], got shape {tuple(doc_ids.shape)}")
     check_mask(doc_ids, name="doc_ids")
+    if not torch.compiler.is_compiling():
+        # Eager: the starts in one pass, then their positions at the exact
+        # segment count (nonzero's read of the count) and the longest
+        # segment: upstream's two host reads, with none of its other passes.
+        starts = _ops.segment_starts(doc_ids).reshape(-1).nonzero().squeeze(1)
+        cu_seqlens = torch.cat([starts, starts.new_tensor([doc_ids.numel()])]).to(torch.int32)
+        longest = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())  # a non-empty mask has a segment
+        return PackedSeqParams(cu_seqlens=cu_seqlens, max_seqlen=longest, doc_ids=doc_ids)
     return _exact_params(doc_ids, _ops.physical_varlen_metadata(doc_ids))
 
 

@@ -56,6 +56,7 @@ __all__ = [
     "document_kv_blocks",
     "document_rules",
     "pad",
+    "segment_starts",
     "physical_varlen_metadata",
     "unpad",
 ]
@@ -118,6 +119,19 @@ def _physical_varlen_metadata_fake(document_ids: torch.Tensor):
     )
 
 
+def segment_starts(document_ids: torch.Tensor) -> torch.Tensor:
+    """Bool ``[batch, sequence]``: where a physical varlen segment starts.
+
+    Segments are runs of equal ids, whatever the ids are: unlike the
+    document view, nothing here relies on ids increasing, so there are no
+    rule flags (upstream accepts any integer ids too). A segment starts at
+    every row start (a document that fills its row must not merge with the
+    next row's first one once flattened) and wherever the id changes, so
+    padding runs are segments of their own.
+    """
+    return F.pad(document_ids[:, 1:] != document_ids[:, :-1], (1, 0), value=True)
+
+
 class PhysicalVarlenOutputs(NamedTuple):
     """Outputs of ``packfn::physical_varlen_metadata`` (no rule flags: any integer ids are valid)."""
 
@@ -130,22 +144,14 @@ class PhysicalVarlenOutputs(NamedTuple):
 def physical_varlen_metadata(
     document_ids: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    # Segments are runs of equal ids, whatever the ids are: unlike the
-    # document view, nothing here relies on ids increasing, so there are no
-    # rule flags (upstream accepts any integer ids too).
-    sequence = document_ids.shape[1]
-    flat = document_ids.reshape(-1)
-    positions = torch.arange(flat.numel(), device=flat.device)
-    # A segment starts at every row start (a document that fills its row must
-    # not merge with the next row's first one once flattened) and wherever the
-    # id changes, so padding runs are segments of their own.
-    starts = (positions % sequence == 0) | (flat != F.pad(flat[:-1], (1, 0)))
+    starts = segment_starts(document_ids).reshape(-1)
+    positions = torch.arange(starts.numel(), device=starts.device)
     num_segments = starts.sum()
     # Boundary k is the position of the (k+1)-th start, the total once k
     # passes the last segment (empty trailing segments).
-    slots = flat.numel() + 1
+    slots = starts.numel() + 1
     boundaries = _compact(starts, positions, slots, search=False)
-    cu_seqlens = torch.where(torch.arange(slots, device=flat.device) < num_segments, boundaries, flat.numel())
+    cu_seqlens = torch.where(torch.arange(slots, device=starts.device) < num_segments, boundaries, starts.numel())
     cu_seqlens = cu_seqlens.to(torch.int32)
     max_seqlen = (cu_seqlens[1:] - cu_seqlens[:-1]).max()
     return cu_seqlens, max_seqlen, num_segments
