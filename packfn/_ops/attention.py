@@ -56,8 +56,8 @@ __all__ = [
     "document_kv_blocks",
     "document_rules",
     "pad",
-    "segment_starts",
     "physical_varlen_metadata",
+    "segment_starts",
     "unpad",
 ]
 
