@@ -432,12 +432,21 @@ def flatten_packed_sequence_metadata(
     _check_metadata_shapes(packed_token_indices, cu_seqlens, batch_size, sequence_length)
     if packed_token_indices.numel() == 0:
         raise ValueError(_NO_DOCUMENT.drop_in)
-    flat = _ops.flatten_metadata(packed_token_indices, cu_seqlens)
-    flags = torch.cat([flat.broken, (flat.num_documents == 0).reshape(1)])
-    tokens, documents = checked_ints(
-        [flat.num_tokens, flat.num_documents],
-        [packed_token_indices.numel(), cu_seqlens.numel()],
-        flags,
-        (*_ops.FLATTEN_RULES, _NO_DOCUMENT),
-    )
-    return flat.indices[:tokens], flat.cu_seqlens[: documents + 1]
+    rules = (*_ops.FLATTEN_RULES, _NO_DOCUMENT)
+    if torch.compiler.is_compiling():
+        flat = _ops.flatten_metadata(packed_token_indices, cu_seqlens)
+        flags = torch.cat([flat.broken, (flat.num_documents == 0).reshape(1)])
+        tokens, documents = checked_ints(
+            [flat.num_tokens, flat.num_documents], [packed_token_indices.numel(), cu_seqlens.numel()], flags, rules
+        )
+        return flat.indices[:tokens], flat.cu_seqlens[: documents + 1]
+    # Eager: the boundaries and the rule flags in one read, then the valid
+    # tokens at their exact count (no permutation of the padding).
+    valid = packed_token_indices >= 0
+    flat_cu_seqlens, _, num_documents = _ops.flat_boundaries(cu_seqlens)
+    flags = torch.cat([_ops.flatten_violations(valid, cu_seqlens), (num_documents == 0).reshape(1)])
+    (documents,) = checked_ints([num_documents], [cu_seqlens.numel()], flags, rules)
+    batch, sequence = packed_token_indices.shape
+    row_offsets = torch.arange(0, batch * sequence, sequence, device=valid.device).unsqueeze(1)
+    indices = torch.masked_select(packed_token_indices.long() + row_offsets, valid)
+    return indices, flat_cu_seqlens[: documents + 1]

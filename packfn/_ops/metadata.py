@@ -28,7 +28,9 @@ __all__ = [
     "FlattenOutputs",
     "VarlenOutputs",
     "batch_metadata",
+    "flat_boundaries",
     "flatten_metadata",
+    "flatten_violations",
     "mask_rules",
     "varlen_metadata",
 ]
@@ -283,7 +285,7 @@ FLATTEN_RULES = (
 """Data rules of batch-major metadata, in the order of the flatten op's flags."""
 
 
-def _flatten_violations(valid_tokens: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+def flatten_violations(valid_tokens: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
     """Bool ``[len(FLATTEN_RULES)]``: the broken rules of batch-major metadata (``valid_tokens``: bool ``[B, S]``)."""
     valid_bounds = cu_seqlens >= 0
     after_gap = valid_bounds & ((~valid_bounds).cumsum(dim=1) > 0)
@@ -299,6 +301,31 @@ def _flatten_violations(valid_tokens: torch.Tensor, cu_seqlens: torch.Tensor) ->
             (last != valid_tokens.sum(dim=1)).any(),
         ]
     )
+
+
+def flat_boundaries(cu_seqlens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Batch-major boundaries ``[B, D + 1]`` made flat: ``[B * D + 1]`` (then the total repeated), total, documents.
+
+    Document k of the flat stream lives in the row whose running document
+    count first exceeds k; its boundary is that row's token offset plus the
+    row-local boundary.
+    """
+    batch, documents = cu_seqlens.shape[0], cu_seqlens.shape[1] - 1
+    device = cu_seqlens.device
+    row_documents = ((cu_seqlens >= 0).sum(dim=1) - 1).clamp_min(0)
+    documents_through = row_documents.cumsum(0)
+    row_tokens = cu_seqlens.long().gather(1, row_documents.unsqueeze(1)).squeeze(1)
+    tokens_through = row_tokens.cumsum(0)
+    slots = torch.arange(1, batch * documents + 1, device=device)
+    rows = torch.searchsorted(documents_through, slots).clamp_max(batch - 1)
+    documents_before = documents_through[rows] - row_documents[rows]
+    local = (slots - documents_before).clamp(0, documents)
+    inside = slots <= documents_through[-1]
+    boundary = tokens_through[rows] - row_tokens[rows] + cu_seqlens.long()[rows, local]
+    total = tokens_through[-1]
+    flat = torch.where(inside, boundary, total)
+    flat_cu_seqlens = torch.cat([flat.new_zeros(1), flat]).to(cu_seqlens.dtype)
+    return flat_cu_seqlens, total.clone(), documents_through[-1].clone()
 
 
 def _flatten_metadata_fake(packed_token_indices: torch.Tensor, cu_seqlens: torch.Tensor):
@@ -329,7 +356,6 @@ def flatten_metadata(
     packed_token_indices: torch.Tensor, cu_seqlens: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     batch, sequence = packed_token_indices.shape
-    documents = cu_seqlens.shape[1] - 1
     device = packed_token_indices.device
     # Token stream: valid tokens (their index values made flat) in row-major
     # order, then the padding positions in order, as in varlen_metadata.
@@ -338,21 +364,6 @@ def flatten_metadata(
     row_offsets = torch.arange(batch, device=device).unsqueeze(1) * sequence
     values = torch.where(valid, packed_token_indices + row_offsets, positions.view(batch, sequence))
     indices, _ = _valid_first(valid.view(-1), values.view(-1))
-    # Document k of the flat stream lives in the row whose running document
-    # count first exceeds k; its boundary is that row's token offset plus the
-    # row-local boundary.
-    row_documents = ((cu_seqlens >= 0).sum(dim=1) - 1).clamp_min(0)
-    documents_through = row_documents.cumsum(0)
-    row_tokens = cu_seqlens.long().gather(1, row_documents.unsqueeze(1)).squeeze(1)
-    tokens_through = row_tokens.cumsum(0)
-    slots = torch.arange(1, batch * documents + 1, device=device)
-    rows = torch.searchsorted(documents_through, slots).clamp_max(batch - 1)
-    documents_before = documents_through[rows] - row_documents[rows]
-    local = (slots - documents_before).clamp(0, documents)
-    inside = slots <= documents_through[-1]
-    boundary = tokens_through[rows] - row_tokens[rows] + cu_seqlens.long()[rows, local]
-    total = tokens_through[-1]
-    flat = torch.where(inside, boundary, total)
-    flat_cu_seqlens = torch.cat([flat.new_zeros(1), flat]).to(cu_seqlens.dtype)
-    broken = _flatten_violations(valid, cu_seqlens)
-    return indices, flat_cu_seqlens, total.clone(), documents_through[-1].clone(), broken
+    flat_cu_seqlens, total, num_documents = flat_boundaries(cu_seqlens)
+    broken = flatten_violations(valid, cu_seqlens)
+    return indices, flat_cu_seqlens, total, num_documents, broken
