@@ -41,10 +41,12 @@ from packfn.metadata import (
     get_unpad_data,
     varlen_metadata,
 )
+from packfn.packer import PackedBatch, pack_documents, pack_stream
 
 __all__ = [
     "DEFAULT_PACKED_SEQUENCE_CONTRACT",
     "BatchMetadata",
+    "PackedBatch",
     "PackedMaskType",
     "PackedSeqParams",
     "PackedSequenceContract",
@@ -64,6 +66,8 @@ __all__ = [
     "flatten_packed_sequence_metadata",
     "get_seqlens_in_batch",
     "get_unpad_data",
+    "pack_documents",
+    "pack_stream",
     "packed_attention_inputs",
     "packed_layout",
     "packed_seq_params_from_doc_ids",
