@@ -38,6 +38,7 @@ from typing import Any, NamedTuple
 
 import torch
 from torch._C import DispatchKey
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 NAMESPACE = "packfn"
 
@@ -98,9 +99,18 @@ def packfn_op(
         def named(function: Callable[..., Any]) -> Callable[..., Any]:
             return functools.wraps(math)(lambda *args: outputs(*function(*args)))
 
-        call = named(op)
+        @functools.wraps(math)
+        def call(*args: Any) -> Any:
+            # In plain eager the kernel runs directly: the custom-op dispatch
+            # costs more than a small mask's whole parse, and an op with
+            # named outputs has none that is differentiable. Traced (compile,
+            # export, a dispatch mode such as FakeTensorMode), it stays the op.
+            if torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None:
+                return outputs(*op(*args))
+            return outputs(*kernel(*args))
+
         # The two bodies, callable on their own (the tests hold them equal).
-        call.math, call.eager = named(math), named(kernel)
+        call.op, call.math, call.eager = op, named(math), named(kernel)
         return call
 
     return register
@@ -149,12 +159,19 @@ def python_ints(values: list[torch.Tensor], bounds: list[int]) -> tuple[int, ...
     """
     if not values:
         return ()
+    if not torch.compiler.is_compiling():
+        read = torch.stack([value.reshape(()).to(torch.int64) for value in values]).tolist()
+        return _clamped(read, bounds)
     # Clamped into the declared range: values read alongside broken-rule
     # flags (``checked_ints``) may be meaningless, never out of range.
     stacked = torch.stack(
         [value.reshape(()).to(torch.int64).clamp(0, bound) for value, bound in zip(values, bounds, strict=True)]
     )
     return tuple(_sizes(stacked, list(bounds)).shape[:-1])
+
+
+def _clamped(read: list[int], bounds: list[int]) -> tuple[int, ...]:
+    return tuple(min(max(value, 0), bound) for value, bound in zip(read, bounds, strict=True))
 
 
 # NOTE [One way to report a broken rule]
@@ -218,10 +235,9 @@ def checked_ints(
     if torch.compiler.is_compiling():
         assert_rules(broken, rules, drop_in=True)
         return python_ints(values, bounds)
-    weights = 2 ** torch.arange(len(rules), device=broken.device)
-    code_tensor = (broken.long() * weights).sum()
-    *ints, code = python_ints([*values, code_tensor], [*bounds, 2 ** len(rules)])
-    if code:
-        first = (code & -code).bit_length() - 1
-        raise ValueError(rules[first].drop_in)
-    return tuple(ints)
+    # One read of the flags and the values together.
+    read = torch.cat([broken.to(torch.int64), *(value.reshape(1).to(torch.int64) for value in values)]).tolist()
+    for flag, rule in zip(read[: len(rules)], rules, strict=True):
+        if flag:
+            raise ValueError(rule.drop_in)
+    return _clamped(read[len(rules) :], bounds)
