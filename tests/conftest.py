@@ -9,6 +9,9 @@ import sys
 import tempfile
 from pathlib import Path
 
+import pytest
+from hypothesis import settings
+
 # Compiled artifacts are cached by the graph that calls a packfn op, not by
 # the op's decomposition: a cache left by an older checkout could hand these
 # tests code compiled from old decompositions. Each test process compiles
@@ -20,3 +23,31 @@ atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
 # The strategy modules and scripts are imported as top-level names.
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parents[1]))
+
+# Hypothesis: every failure prints the blob that reproduces it
+# (``@reproduce_failure(...)``), CI (which sets CI=true) draws the same
+# examples on every run, and no deadline (the first call of an op compiles
+# or warms caches). Loaded before any test module builds its ``settings(...)``,
+# which inherit whatever they leave unspecified from this profile.
+_CI = os.environ.get("CI", "").lower() not in ("", "0", "false", "no")
+settings.register_profile(
+    "packfn",
+    print_blob=True,
+    deadline=None,
+    derandomize=_CI,
+    **({"database": None} if _CI else {}),  # a derandomized run has nothing to replay
+)
+settings.load_profile("packfn")
+
+
+def pytest_runtest_setup(item):
+    """Fail a Hypothesis test whose ``settings(...)`` lost the profile (built before it loaded, or overriding it)."""
+    test_settings = getattr(getattr(item, "obj", None), "_hypothesis_internal_use_settings", None)
+    if test_settings is None:
+        return
+    if not (test_settings.print_blob and test_settings.deadline is None and test_settings.derandomize == _CI):
+        pytest.fail(
+            "this Hypothesis test does not inherit the packfn profile of tests/conftest.py "
+            f"(print_blob=True, deadline=None, derandomize={_CI}): {test_settings}",
+            pytrace=False,
+        )
