@@ -33,7 +33,6 @@ if str(_REPO) not in sys.path:
 
 import torch  # noqa: E402
 
-from scripts.benchmarks.common import use_packfn_cache_key  # noqa: E402
 from scripts.packed_decoder import add_model_arguments, batches_and_config  # noqa: E402
 from scripts.profile import PackedDecoder  # noqa: E402
 
@@ -149,7 +148,6 @@ def run(arguments: argparse.Namespace) -> ExportReport:
 
 
 def main(argv: list[str] | None = None) -> int:
-    use_packfn_cache_key()  # NOTE [Compile caches do not see decompositions]
     report = run(parse_args(argv))
     print("\n".join(report.lines()), flush=True)
     return 0 if report.ok else 1

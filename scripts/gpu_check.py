@@ -361,9 +361,8 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    from scripts.benchmarks.common import make_inputs, use_packfn_cache_key
+    from scripts.benchmarks.common import make_inputs
 
-    use_packfn_cache_key()  # NOTE [Compile caches do not see decompositions]
 
     started = time.perf_counter()
     inputs_by_sequence = {

@@ -6,7 +6,7 @@ import torch
 from torch.nn.attention.flex_attention import create_block_mask
 
 from packfn import attention as pa
-from scripts.benchmarks.common import Case, Inputs
+from scripts.benchmarks.common import FLOOR, Case, Inputs, floor_variant
 
 try:
     from nemo_automodel.components.datasets import packed_seq as upstream
@@ -50,8 +50,9 @@ def _flash_varlen(inputs: Inputs, notes: dict[str, str]) -> list[Case]:
     variants["packfn drop-in eager"] = lambda: pa.to_flash_attention_kwargs(pa.packed_seq_params_from_doc_ids(mask))
     variants["packfn static eager"] = lambda: static(mask)
     variants["packfn static compiled"] = _compiled(static, mask)
+    variants.update(floor_variant(mask))
     baseline = "upstream" if "upstream" in variants else "packfn drop-in eager"
-    return [Case("attention", "packed_seq_params_from_doc_ids", inputs.sequence, variants, baseline, notes)]
+    return [Case("attention", "packed_seq_params_from_doc_ids", inputs.sequence, variants, baseline, notes, FLOOR)]
 
 
 def _block_mask(inputs: Inputs) -> list[Case]:

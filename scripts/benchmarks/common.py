@@ -9,7 +9,7 @@ from functools import cached_property
 
 import torch
 
-__all__ = ["Case", "Inputs", "make_inputs", "use_packfn_cache_key"]
+__all__ = ["FLOOR", "Case", "Inputs", "floor_variant", "make_inputs"]
 
 
 @dataclass
@@ -28,6 +28,16 @@ class Case:
     variants: dict[str, Callable[[], object]]
     baseline: str = "upstream"
     notes: dict[str, str] = field(default_factory=dict)
+    floor: str | None = None
+    """A variant whose time is the floor of the job (one pass over the mask); rows report time over it."""
+
+
+FLOOR = "floor: (mask > 0).sum()"
+
+
+def floor_variant(mask: torch.Tensor) -> dict[str, Callable[[], object]]:
+    """The floor of a mask op: one pass over the mask (SPEC section 6)."""
+    return {FLOOR: lambda: (mask > 0).sum()}
 
 
 @dataclass
@@ -96,12 +106,3 @@ def make_inputs(
             used += length
         rows.append(lengths)
     return Inputs(batch, sequence, mean, rows, torch.device(device), hidden)
-
-
-def use_packfn_cache_key() -> None:
-    """Key torch.compile's caches on packfn's op sources (NOTE [Compile caches do not see decompositions])."""
-    import packfn
-
-    config = getattr(torch.compiler, "config", None)
-    if config is not None and hasattr(config, "cache_key_tag"):
-        config.cache_key_tag = packfn.cache_key_tag()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 import packfn
-from scripts.benchmarks.common import Case, Inputs
+from scripts.benchmarks.common import FLOOR, Case, Inputs, floor_variant
 
 try:
     from nemo_automodel.components.datasets import packing as upstream
@@ -30,6 +30,12 @@ def cases(inputs: Inputs) -> list[Case]:
     def static_batch(mask):
         return packfn.batch_metadata(mask, max_documents=capacity)
 
+    def static_flat_default(mask):
+        return packfn.varlen_metadata(mask)
+
+    def static_batch_default(mask):
+        return packfn.batch_metadata(mask)
+
     metadata = packfn.build_packed_sequence_metadata(mask)
     indices, bounds = metadata["packed_token_indices"], metadata["cu_seqlens"]
     narrow_bounds = packfn.batch_metadata(mask, max_documents=capacity).cu_seqlens
@@ -45,6 +51,7 @@ def cases(inputs: Inputs) -> list[Case]:
             lambda: packfn.get_unpad_data(mask),
             lambda: static_flat(mask),
             _compiled(static_flat, mask),
+            _compiled(static_flat_default, mask),
         ),
         (
             "build_packed_sequence_metadata",
@@ -52,6 +59,7 @@ def cases(inputs: Inputs) -> list[Case]:
             lambda: packfn.build_packed_sequence_metadata(mask),
             lambda: static_batch(mask),
             _compiled(static_batch, mask),
+            _compiled(static_batch_default, mask),
         ),
         (
             "get_seqlens_in_batch",
@@ -59,6 +67,7 @@ def cases(inputs: Inputs) -> list[Case]:
             lambda: packfn.get_seqlens_in_batch(mask),
             lambda: static_flat(mask),
             _compiled(static_flat, mask),
+            None,
         ),
         (
             "flatten_packed_sequence_metadata",
@@ -66,12 +75,16 @@ def cases(inputs: Inputs) -> list[Case]:
             lambda: packfn.flatten_packed_sequence_metadata(indices, bounds, **shape),
             lambda: static_flatten(indices, narrow_bounds),
             _compiled(static_flatten, indices, narrow_bounds),
+            None,
         ),
     ]
     result = []
-    for name, reference, drop_in, static_eager, static_compiled in families:
+    for name, reference, drop_in, static_eager, static_compiled, default_compiled in families:
         variants = {"packfn drop-in eager": drop_in, "packfn static eager": static_eager}
         variants["packfn static compiled"] = static_compiled
+        if default_compiled:
+            variants["packfn static compiled, D=sequence"] = default_compiled
+        variants.update(floor_variant(mask))
         if reference:
             variants = {"upstream": reference, **variants}
         result.append(
@@ -82,6 +95,7 @@ def cases(inputs: Inputs) -> list[Case]:
                 variants,
                 baseline="upstream" if reference else "packfn drop-in eager",
                 notes={"max_documents": str(capacity)},
+                floor=FLOOR,
             )
         )
     return result
