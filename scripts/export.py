@@ -1,4 +1,4 @@
-"""Export the packed decoder of ``scripts/profile.py``, lower it, package it with AOTInductor and run the package.
+"""Export the packed decoder of ``scripts/main_job.py``, lower it, package it with AOTInductor and run the package.
 
 Steps, each checked:
 
@@ -26,15 +26,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 _REPO = Path(__file__).resolve().parents[1]
-if sys.path and Path(sys.path[0] or ".").resolve() == _REPO / "scripts":
-    sys.path.pop(0)  # keep the stdlib `profile` importable (NOTE in scripts/profile.py)
 if str(_REPO) not in sys.path:
     sys.path.insert(0, str(_REPO))
 
 import torch  # noqa: E402
 
-from scripts.packed_decoder import add_model_arguments, batches_and_config  # noqa: E402
-from scripts.profile import PackedDecoder  # noqa: E402
+from scripts.packed_decoder import PackedDecoder, add_model_arguments, batches_and_config  # noqa: E402
 
 __all__ = ["ExportReport", "main", "packfn_nodes", "run"]
 

@@ -15,7 +15,7 @@ seconds is skipped and says so in the summary):
    Target: pack at 80% of copy bandwidth.
 4. ``upstream``: the compiled static ops against NeMo AutoModel's eager
    helpers on the same inputs (CUDA-event medians).
-5. ``model``: the packed decoder of ``scripts/profile.py`` trained a few
+5. ``model``: the packed decoder of ``scripts/main_job.py`` trained a few
    steps under ``torch.compile(mode="reduce-overhead")`` (CUDA graphs), with
    CUDA-graph skips counted, against the same model driven by upstream eagerly.
 
@@ -29,6 +29,7 @@ Without CUDA it parses its arguments and exits with a message (status 2).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import platform
 import re
@@ -40,8 +41,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 _REPO = Path(__file__).resolve().parents[1]
-if sys.path and Path(sys.path[0] or ".").resolve() == _REPO / "scripts":
-    sys.path.pop(0)  # keep the stdlib `profile` importable (NOTE in scripts/profile.py)
 if str(_REPO) not in sys.path:
     sys.path.insert(0, str(_REPO))
 
@@ -49,6 +48,7 @@ import torch  # noqa: E402
 
 SECTIONS = ("codegen", "sync", "bandwidth", "upstream", "model")
 METADATA_OPS = ("varlen_metadata", "batch_metadata", "flatten_metadata")
+MODEL_MAX_DOCUMENTS = 16
 KERNEL_TARGET = 2
 BANDWIDTH_TARGET = 0.8
 
@@ -289,20 +289,30 @@ def section_model(arguments, inputs_by_sequence, mask_inputs) -> dict:
 
     from torch._dynamo.utils import counters
 
-    from scripts.packed_decoder import DecoderConfig, PackedDecoder, make_batches, packed_loss, upstream_available
-    from scripts.packed_decoder import upstream_loss as upstream_loss_function
+    from scripts.packed_decoder import (
+        DecoderConfig,
+        PackedDecoder,
+        make_batches,
+        packed_loss,
+        upstream_available,
+        upstream_loss,
+    )
 
+    # Batches from packfn's packer: the model's static budgets are the packer's (no worst-case padding).
     batches = make_batches(
         arguments.model_steps,
         batch=arguments.model_batch,
         sequence=arguments.model_sequence,
         mean=arguments.mean,
         vocab=256,
+        alignment=16,
+        max_documents=MODEL_MAX_DOCUMENTS,
         device="cuda",
     )
     config = DecoderConfig(
         sequence=arguments.model_sequence,
-        max_documents=max(batch.seq_lens.shape[1] for batch in batches),
+        max_documents=MODEL_MAX_DOCUMENTS,
+        budget=batches[0].packed.budget,
         hidden=arguments.model_hidden,
         layers=arguments.model_layers,
         heads=max(1, arguments.model_hidden // 64),
@@ -334,7 +344,11 @@ def section_model(arguments, inputs_by_sequence, mask_inputs) -> dict:
 
     seconds, losses = train(model, compiled, mark_steps=True)
     result = {
-        "config": {k: getattr(config, k) for k in ("sequence", "max_documents", "hidden", "layers", "attention")},
+        "config": {
+            k: getattr(config, k) for k in ("sequence", "max_documents", "length", "hidden", "layers", "attention")
+        },
+        "budget_fill": sum(batch.num_tokens for batch in batches)
+        / (len(batches) * arguments.model_batch * config.length),
         "graph_breaks": sum(counters["graph_break"].values()),
         "cudagraph_skips": sum(counters["inductor"].get(key, 0) for key in ("cudagraph_skips",)),
         "step_ms": [s * 1e3 for s in seconds],
@@ -342,6 +356,8 @@ def section_model(arguments, inputs_by_sequence, mask_inputs) -> dict:
         "losses": losses,
     }
     if upstream_available():
+        # Upstream's rows at the packer's budget (packed_layout's minimum_length): the same area as packfn's.
+        upstream_loss_function = functools.partial(upstream_loss, minimum_length=config.length)
         upstream_seconds, upstream_losses = train(reference, upstream_loss_function, mark_steps=False)
         result["upstream_eager_median_step_ms"] = statistics.median(upstream_seconds[1:]) * 1e3
         result["first_step_loss_difference"] = abs(losses[0] - upstream_losses[0])
@@ -362,7 +378,6 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
     from scripts.benchmarks.common import make_inputs
-
 
     started = time.perf_counter()
     inputs_by_sequence = {

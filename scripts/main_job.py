@@ -1,88 +1,76 @@
-"""Profile a packed-sequence decoder whose forward uses packfn, compiled with ``fullgraph=True``.
+"""The main job: a packed decoder trained three ways on the same packed batches, profiled.
 
-The model (``scripts/packed_decoder.py``, re-exported here) parses a
-document-id mask with :func:`packfn.batch_metadata`, builds a fixed-length
-aligned layout with :func:`packfn.layout.aligned_layout`, packs the
-embeddings, runs RoPE from the layout's ``position_ids`` and SDPA with
-:func:`packfn.attention.block_causal_mask`, and restores the tokens for the
-LM head. Training steps (forward, backward, AdamW) run under
-``torch.profiler`` with a TensorBoard trace handler writing one run folder
-under ``--out``; every step gets a different batch of the same shape.
+Batches come from packfn's packer (:func:`packfn.pack_stream`): documents of
+exponential lengths fill rows under a fixed aligned budget (by default the
+input row length) with at most ``--max-documents`` per row, so the static
+budgets the compiled model takes (``max_documents`` of
+:func:`packfn.batch_metadata`, ``length`` of
+:func:`packfn.layout.aligned_layout`) are the packer's, not the worst case.
+
+The model (``scripts/packed_decoder.py``) is trained on the same batches,
+from the same initial weights, by three drivers:
+
+1. **upstream eager**: NeMo AutoModel 0.7.0's helpers
+   (``build_packed_sequence_metadata``, ``packed_layout`` / ``pack`` /
+   ``restore`` with its data-dependent row length, a dense block-causal
+   mask, ``get_unpad_data`` for the loss), eagerly;
+2. **upstream compiled**: the same function under plain ``torch.compile``
+   (graph breaks allowed); its graph breaks and recompiles are counted;
+3. **packfn compiled**: packfn's static path under
+   ``torch.compile(fullgraph=True)``: one graph, no recompiles.
+
+Each compiled driver first runs over all the batches (compiling and, for
+upstream, recompiling), then the three drivers alternate over the same
+batches (so load on a shared machine hits them alike) and the report takes
+their medians: step time (forward, backward, AdamW) and real tokens per
+second, with the fraction of the budget that is real tokens. packfn's first
+pass runs under ``torch.profiler`` with a TensorBoard trace handler writing
+one run folder under ``--out``.
 
 Attention is SDPA with the dense bool block-causal mask: on the CPU,
-FlexAttention has no backward (torch 2.13 raises NotImplementedError), and
-SDPA's fused CPU kernel takes the bool mask directly. ``--attention flex``
-builds :func:`packfn.attention.document_block_mask` instead (GPU training).
+FlexAttention has no backward (torch 2.13 raises NotImplementedError).
+``--attention flex`` builds :func:`packfn.attention.document_block_mask`
+instead (GPU training; the upstream drivers keep the dense mask).
 
-The report: graph breaks, recompiles (frames compiled beyond the first),
-compile time, median step time, against the same weights driven eagerly by
-NeMo AutoModel's helpers (``build_packed_sequence_metadata``,
-``packed_layout`` / ``pack`` / ``restore``, a dense block-causal mask,
-``get_unpad_data``), with the first-step loss of both as a parity check.
-
-    python scripts/profile.py                   # defaults: under two minutes on 2 CPU cores
-    python scripts/profile.py --steps 12 --sequence 1024 --out profiles
-    tensorboard --logdir profiles               # pip install -e '.[profile]'
+    python scripts/main_job.py                   # defaults: about two minutes on 2 CPU cores
+    python scripts/main_job.py --steps 12 --sequence 1024 --out profiles
+    tensorboard --logdir profiles                # pip install -e '.[profile]'
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import statistics
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+_REPO = Path(__file__).resolve().parents[1]
+if str(_REPO) not in sys.path:
+    sys.path.insert(0, str(_REPO))
 
-def _become_stdlib_profile() -> None:
-    """Load the standard library's ``profile`` module in place of this file.
+import torch  # noqa: E402
+from torch._dynamo.utils import counters  # noqa: E402
 
-    NOTE [This file shadows the stdlib profile module]
-    A script run as ``python scripts/<name>.py`` has ``scripts/`` first on
-    ``sys.path``, and ``torch._dynamo`` imports ``cProfile``, which imports
-    ``profile``: without this, that import would execute this file and
-    cProfile would fail (``module 'profile' has no attribute 'run'``). The
-    import system returns ``sys.modules["profile"]`` after executing a module,
-    so replacing the entry here hands cProfile the real module.
-    """
-    import importlib.util
-    import sysconfig
-
-    spec = importlib.util.spec_from_file_location("profile", Path(sysconfig.get_path("stdlib")) / "profile.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["profile"] = module
-    spec.loader.exec_module(module)
-
-
-if __name__ == "profile":
-    _become_stdlib_profile()
-else:
-    _REPO = Path(__file__).resolve().parents[1]
-    if sys.path and Path(sys.path[0] or ".").resolve() == _REPO / "scripts":
-        sys.path.pop(0)  # run as a script: keep the stdlib `profile` importable (see the NOTE above)
-    if str(_REPO) not in sys.path:
-        sys.path.insert(0, str(_REPO))
-
-    import torch
-    from torch._dynamo.utils import counters
-
-    from scripts.benchmarks.common import use_packfn_cache_key
-    from scripts.packed_decoder import (
-        DecoderConfig,
-        PackedDecoder,
-        add_model_arguments,
-        batches_and_config,
-        packed_loss,
-        upstream_available,
-        upstream_loss,
-    )
+from packfn import aligned_length  # noqa: E402
+from scripts.packed_decoder import (  # noqa: E402
+    Batch,
+    DecoderConfig,
+    PackedDecoder,
+    add_model_arguments,
+    batches_and_config,
+    packed_loss,
+    upstream_available,
+    upstream_loss,
+)
 
 __all__ = [
-    "DecoderConfig",
-    "PackedDecoder",
-    "ProfileReport",
+    "CountingInductor",
+    "Driver",
+    "MainJobReport",
     "TraceSummary",
     "main",
     "parse_args",
@@ -90,69 +78,86 @@ __all__ = [
     "summarize_trace",
 ]
 
+PACKFN = "packfn compiled"
+UPSTREAM_EAGER = "upstream eager"
+UPSTREAM_COMPILED = "upstream compiled"
+_TITLES = {
+    UPSTREAM_EAGER: "upstream eager",
+    UPSTREAM_COMPILED: "upstream torch.compile",
+    PACKFN: "packfn torch.compile(fullgraph=True)",
+}
+
 
 class CountingInductor:
-    """A ``torch.compile`` backend: Inductor, counting the frames (graphs) it is handed."""
+    """A ``torch.compile`` backend: Inductor, recording the compile id of every graph it is handed.
+
+    A compile id ``(frame_id, frame_compile_id)`` names a frame and how many
+    times it was compiled before: a graph with ``frame_compile_id > 0`` is a
+    recompile (a guard failed: a new shape or value). Frames created by
+    graph breaks (resume functions) have frame ids of their own.
+    """
 
     def __init__(self) -> None:
-        self.frames = 0
+        self.compile_ids: list[tuple[int, int]] = []
 
     def __call__(self, graph_module, example_inputs):
         from torch._inductor.compile_fx import compile_fx
 
-        self.frames += 1
+        compile_id = torch._guards.CompileContext.current_compile_id()
+        if compile_id is not None and compile_id.frame_id is not None:
+            self.compile_ids.append((compile_id.frame_id, compile_id.frame_compile_id or 0))
         return compile_fx(graph_module, example_inputs)
+
+    @property
+    def graphs(self) -> int:
+        """Graphs compiled (each frame compile that captured one)."""
+        return len(self.compile_ids)
+
+    @property
+    def frames(self) -> int:
+        """Distinct frames compiled."""
+        return len({frame for frame, _ in self.compile_ids})
+
+    @property
+    def recompiles(self) -> int:
+        """Graphs compiled for a frame that had been compiled before."""
+        return sum(1 for _, attempt in self.compile_ids if attempt > 0)
 
 
 @dataclass
-class ProfileReport:
-    """What :func:`run` measured (times in seconds)."""
+class Driver:
+    """One way of training the model: its steps' times, losses and real-token counts."""
 
-    graph_breaks: int
-    graph_break_reasons: dict[str, int]
-    frames_compiled: int
-    recompiles: int
-    compile_s: float
-    step_s: list[float]
-    median_step_s: float
-    trace_files: list[str]
-    run_dir: str
-    losses: list[float]
-    trace_summary: TraceSummary | None = None
-    upstream: str = "not run"
-    upstream_step_s: list[float] = field(default_factory=list)
-    upstream_median_step_s: float | None = None
-    upstream_losses: list[float] = field(default_factory=list)
+    name: str
+    seconds: list[float] = field(default_factory=list)
+    losses: list[float] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    warmup_steps: int = 0  # the first pass over the batches (compiles), left out of the medians
+    graph_breaks: int | None = None  # compiled drivers only
+    graph_break_reasons: dict[str, int] = field(default_factory=dict)
+    recompiles: int | None = None
+    frames: int | None = None
+    graphs: int | None = None
 
-    def lines(self) -> list[str]:
-        """The printed report."""
-        result = [
-            "== packfn profile report ==",
-            f"graph breaks:      {self.graph_breaks}"
-            + (f"  {self.graph_break_reasons}" if self.graph_break_reasons else ""),
-            f"recompiles:        {self.recompiles}  (frames compiled: {self.frames_compiled}, "
-            f"{len(self.step_s)} steps over batches of one shape, different contents)",
-            f"compile time:      {self.compile_s:.1f} s  (first step minus the median step)",
-            f"median step:       packfn compiled {self.median_step_s * 1e3:.1f} ms",
-        ]
-        if self.upstream_median_step_s is not None:
-            ratio = self.upstream_median_step_s / self.median_step_s
-            result.append(
-                f"                   upstream eager  {self.upstream_median_step_s * 1e3:.1f} ms  "
-                f"(upstream / packfn = {ratio:.2f}; above 1: packfn compiled is faster)"
-            )
-            difference = abs(self.losses[0] - self.upstream_losses[0])
-            result.append(
-                f"loss parity:       first step {self.losses[0]:.6f} vs {self.upstream_losses[0]:.6f} "
-                f"(|diff| {difference:.2e})"
-            )
-        else:
-            result.append(f"upstream:          {self.upstream}")
-        result.append(f"trace:             {self.trace_files[0] if self.trace_files else 'none written'}")
-        if self.trace_summary is not None:
-            result.append(f"in the trace:      {self.trace_summary.line()}")
-        result.append(f"view:              tensorboard --logdir {Path(self.run_dir).parent}")
-        return result
+    @property
+    def steady(self) -> list[float]:
+        return self.seconds[self.warmup_steps :] or self.seconds[1:]
+
+    @property
+    def median_step_s(self) -> float:
+        return statistics.median(self.steady)
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Median over the steady steps of real tokens over step time."""
+        start = len(self.seconds) - len(self.steady)
+        return statistics.median(t / s for t, s in zip(self.tokens[start:], self.steady, strict=True))
+
+    @property
+    def compile_s(self) -> float:
+        """The first pass minus as many steady steps: the time spent compiling (and recompiling)."""
+        warm = self.seconds[: self.warmup_steps]
+        return max(0.0, sum(warm) - len(warm) * self.median_step_s)
 
 
 @dataclass
@@ -171,6 +176,117 @@ class TraceSummary:
             f"({len(self.fused_kernels)} kernels), {sum(self.packfn_calls.values())} packfn:: calls, "
             f"aten fallbacks: {aten or 'none'}"
         )
+
+
+@dataclass
+class MainJobReport:
+    """What :func:`run` measured (times in seconds)."""
+
+    config: DecoderConfig
+    batch: int
+    mean: int
+    steps: int
+    worst_case_length: int
+    real_tokens: int
+    upstream_lengths: list[int]
+    drivers: dict[str, Driver]
+    upstream: str
+    trace_files: list[str]
+    run_dir: str
+    trace_summary: TraceSummary | None = None
+
+    @property
+    def packfn(self) -> Driver:
+        return self.drivers[PACKFN]
+
+    @property
+    def budget_fill(self) -> float:
+        """Real tokens over the aligned area of all batches (``steps * batch * budget``)."""
+        return self.real_tokens / (self.steps * self.batch * self.config.length)
+
+    def fastest(self) -> str:
+        return min(self.drivers.values(), key=lambda driver: driver.median_step_s).name
+
+    def verdict(self) -> str:
+        """Which driver is fastest, and why packfn compiled is not when it is not."""
+        ours = self.packfn.median_step_s
+        others = [driver for driver in self.drivers.values() if driver.name != PACKFN]
+        if not others:
+            return "only packfn compiled ran"
+        ratios = ", ".join(f"{driver.median_step_s / ours:.2f}x {driver.name}" for driver in others)
+        if self.fastest() == PACKFN:
+            return f"packfn compiled ({ratios})"
+        length = self.config.length
+        upstream_area = statistics.mean(value * value for value in self.upstream_lengths)
+        area = length * length / upstream_area
+        if area > 1.05:
+            why = (
+                f"its fixed budget of {length} columns covers {area:.2f}x the attention area of upstream's "
+                f"data-dependent rows (mean {statistics.mean(self.upstream_lengths):.0f} columns): "
+                "pass a tighter --budget"
+            )
+        else:
+            spread = statistics.quantiles(self.packfn.steady, n=4) if len(self.packfn.steady) >= 2 else [ours, ours]
+            why = (
+                f"at the same attention area ({area:.2f}x upstream's) the compiled graph saves less than the "
+                f"step-to-step spread (packfn quartiles {spread[0] * 1e3:.1f} to {spread[-1] * 1e3:.1f} ms): "
+                "at tiny sizes the step is launch overhead, and a loaded machine adds noise (try more --steps)"
+            )
+        return f"{self.fastest()} ({ratios}); packfn compiled is not the fastest here: {why}"
+
+    def lines(self) -> list[str]:
+        """The printed report."""
+        config = self.config
+        result = [
+            "== packfn main job report ==",
+            f"batches:      {self.steps} of {self.batch} x {config.sequence} tokens (mean document {self.mean}), "
+            f"packed by packfn.pack_stream: max_documents={config.max_documents}, budget={config.length} aligned "
+            f"columns (without the packer: aligned_length({config.sequence}, {config.max_documents}, "
+            f"{config.alignment}) = {self.worst_case_length})",
+            f"real tokens:  {self.budget_fill:.1%} of the budget ({self.real_tokens} of {self.steps} x {self.batch} x "
+            f"{config.length}); upstream's data-dependent rows: {statistics.mean(self.upstream_lengths):.0f} "
+            f"columns on average",
+            f"{'driver':<38}{'median step':>12}{'tokens/s':>11}{'graph breaks':>14}{'recompiles':>12}{'compile':>10}",
+        ]
+        for name in (UPSTREAM_EAGER, UPSTREAM_COMPILED, PACKFN):
+            driver = self.drivers.get(name)
+            if driver is None:
+                continue
+            compiled = driver.graph_breaks is not None
+            result.append(
+                f"{_TITLES[name]:<38}{driver.median_step_s * 1e3:>9.1f} ms{driver.tokens_per_s:>11,.0f}"
+                f"{driver.graph_breaks if compiled else '-':>14}{driver.recompiles if compiled else '-':>12}"
+                f"{f'{driver.compile_s:.1f} s' if compiled else '-':>10}"
+            )
+        if UPSTREAM_EAGER not in self.drivers:
+            result.append(f"upstream:     {self.upstream}")
+        result.append(f"fastest:      {self.verdict()}")
+        packfn = self.packfn
+        result.append(
+            f"packfn graph: {packfn.graph_breaks} graph breaks, {packfn.recompiles} recompiles "
+            f"(frames compiled: {packfn.frames}, {len(packfn.seconds)} steps over batches of one shape, "
+            "different contents)"
+        )
+        upstream_compiled = self.drivers.get(UPSTREAM_COMPILED)
+        if upstream_compiled is not None:
+            reasons = "; ".join(
+                f"{reason.splitlines()[0][:70]} x{count}"
+                for reason, count in sorted(upstream_compiled.graph_break_reasons.items(), key=lambda kv: -kv[1])[:3]
+            )
+            result.append(
+                f"upstream compiled: {upstream_compiled.graphs} graphs in {upstream_compiled.frames} frames over "
+                f"{len(upstream_compiled.seconds)} steps; breaks on: {reasons or 'nothing'}"
+            )
+        if len(self.drivers) > 1:
+            first = {name: driver.losses[0] for name, driver in self.drivers.items()}
+            difference = max(first.values()) - min(first.values())
+            values = " / ".join(f"{first[name]:.6f}" for name in (UPSTREAM_EAGER, UPSTREAM_COMPILED, PACKFN))
+            result.append(f"loss parity:  first step {values} (max |diff| {difference:.2e})")
+        result.append(f"trace:        {self.trace_files[0] if self.trace_files else 'none written'}")
+        if self.trace_summary is not None:
+            result.append(f"in the trace: {self.trace_summary.line()}")
+        result.append(f"view:         tensorboard --logdir {Path(self.run_dir).parent}")
+        return result
 
 
 # Allocation and view calls of Inductor's wrapper code (no compute), left out of the summary.
@@ -233,11 +349,18 @@ def summarize_trace(path: str | Path) -> TraceSummary:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_arguments(parser, batch=4, sequence=512, mean=96, hidden=128, layers=2, vocab=256)
-    parser.add_argument("--steps", type=int, default=8, help="training steps per driver (the first compiles)")
+    parser.add_argument("--steps", type=int, default=8, help="batches; each driver trains on each of them twice")
     parser.add_argument("--attention", choices=("sdpa", "flex"), default="sdpa")
     parser.add_argument("--out", type=Path, default=Path("profiles"))
     parser.add_argument("--run-name", default=None, help="run folder under --out (default: decoder_<sizes>_<time>)")
-    parser.add_argument("--no-upstream", action="store_true", help="skip the upstream eager comparison")
+    parser.add_argument("--no-upstream", action="store_true", help="skip both upstream drivers")
+    parser.add_argument(
+        "--upstream-rows",
+        choices=("budget", "data"),
+        default="budget",
+        help="upstream's aligned row length: the packer's budget (packed_layout(minimum_length=budget), the "
+        "same area as packfn) or its data-dependent longest row (a new length recompiles the compiled driver)",
+    )
     arguments = parser.parse_args(argv)
     if arguments.steps < 2:
         parser.error("--steps must be at least 2 (the first step compiles)")
@@ -252,13 +375,11 @@ def _synchronize(device: torch.device) -> None:
 class Trainer:
     """One optimizer (AdamW) step per call of :meth:`step`, timed, with a printed line."""
 
-    def __init__(self, model, loss_function, device: torch.device, label: str) -> None:
-        self.model, self.loss_function, self.device, self.label = model, loss_function, device, label
+    def __init__(self, model, loss_function, device: torch.device, driver: Driver) -> None:
+        self.model, self.loss_function, self.device, self.driver = model, loss_function, device, driver
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        self.seconds: list[float] = []
-        self.losses: list[float] = []
 
-    def step(self, batch) -> None:
+    def step(self, batch: Batch) -> None:
         _synchronize(self.device)
         begin = time.perf_counter()
         loss = self.loss_function(self.model, batch.input_ids, batch.document_ids, batch.labels)
@@ -267,38 +388,62 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         value = loss.item()  # the one host read of a step, after its work
         _synchronize(self.device)
-        self.seconds.append(time.perf_counter() - begin)
-        self.losses.append(value)
+        driver = self.driver
+        driver.seconds.append(time.perf_counter() - begin)
+        driver.losses.append(value)
+        driver.tokens.append(batch.num_tokens)
         print(
-            f"step {len(self.seconds) - 1:>3}  {self.label:<16} loss {value:.4f}  {self.seconds[-1] * 1e3:9.1f} ms",
+            f"step {len(driver.seconds) - 1:>3}  {driver.name:<18} loss {value:.4f}  "
+            f"{driver.seconds[-1] * 1e3:9.1f} ms",
             flush=True,
         )
 
 
-def run(arguments: argparse.Namespace) -> ProfileReport:
-    """Train the packfn-driven model compiled under the profiler, then the upstream-driven one eagerly."""
+def _graph_breaks() -> dict[str, int]:
+    return dict(counters["graph_break"])
+
+
+def _record_compiles(driver: Driver, backend: CountingInductor, before: dict[str, int]) -> None:
+    after = _graph_breaks()
+    driver.graph_break_reasons = {
+        reason: count - before.get(reason, 0) for reason, count in after.items() if count > before.get(reason, 0)
+    }
+    driver.graph_breaks = sum(driver.graph_break_reasons.values())
+    driver.recompiles, driver.frames, driver.graphs = backend.recompiles, backend.frames, backend.graphs
+
+
+def run(arguments: argparse.Namespace) -> MainJobReport:
+    """Train the three drivers on the same packed batches (packfn's first pass profiled)."""
     device = torch.device(arguments.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda requested but CUDA is not available")
     if arguments.attention == "flex" and device.type == "cpu":
         raise SystemExit("--attention flex needs a GPU for training: FlexAttention has no CPU backward in torch 2.13")
     batches, config = batches_and_config(arguments, arguments.steps)
-    cap = config.max_documents
     torch.manual_seed(0)
     model = PackedDecoder(config).to(device)
-    reference = copy.deepcopy(model)
+    worst = aligned_length(config.sequence, config.max_documents, config.alignment)
     print(
-        f"model: batch={arguments.batch} sequence={arguments.sequence} aligned length={config.length} "
-        f"(alignment {config.alignment}, D={cap}) hidden={config.hidden} layers={config.layers} "
-        f"attention={config.attention} device={device}",
+        f"model: batch={arguments.batch} sequence={config.sequence} aligned budget={config.length} "
+        f"(packer: alignment {config.alignment}, D={config.max_documents}; worst case {worst}) "
+        f"hidden={config.hidden} layers={config.layers} attention={config.attention} device={device}",
         flush=True,
     )
 
     torch._dynamo.reset()
     counters.clear()
-    backend = CountingInductor()
-    compiled_loss = torch.compile(packed_loss, backend=backend, fullgraph=True)
+    drivers: dict[str, Driver] = {}
+    trainers: dict[str, Trainer] = {}
 
+    # 1. packfn compiled, fullgraph, its first pass under the profiler.
+    backend = CountingInductor()
+    drivers[PACKFN] = Driver(PACKFN, warmup_steps=len(batches))
+    trainers[PACKFN] = Trainer(
+        copy.deepcopy(model),
+        torch.compile(packed_loss, backend=backend, fullgraph=True),
+        device,
+        drivers[PACKFN],
+    )
     run_name = arguments.run_name or (
         f"decoder_b{arguments.batch}_s{arguments.sequence}_h{arguments.hidden}_l{arguments.layers}_"
         f"{time.strftime('%Y%m%d-%H%M%S')}"
@@ -308,11 +453,11 @@ def run(arguments: argparse.Namespace) -> ProfileReport:
     if device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
     # Step 0 compiles (skipped), then one step of warm-up and up to three recorded steps.
-    active = max(1, min(3, arguments.steps - 2))
+    active = max(1, min(3, len(batches) - 2))
     schedule = torch.profiler.schedule(
-        skip_first=1, wait=0, warmup=1 if arguments.steps > 2 else 0, active=active, repeat=1
+        skip_first=1, wait=0, warmup=1 if len(batches) > 2 else 0, active=active, repeat=1
     )
-    packfn = Trainer(model, compiled_loss, device, "packfn compiled")
+    before = _graph_breaks()
     # Kernel profiling makes each Inductor C++ kernel a named event in the trace.
     with (
         torch._inductor.config.patch({"cpp.enable_kernel_profile": True}),
@@ -324,51 +469,66 @@ def run(arguments: argparse.Namespace) -> ProfileReport:
         ) as profiler,
     ):
         for batch in batches:
-            packfn.step(batch)
+            trainers[PACKFN].step(batch)
             profiler.step()
-    compile_s = packfn.seconds[0] - statistics.median(packfn.seconds[1:])
+    _record_compiles(drivers[PACKFN], backend, before)
 
-    upstream = None
     if arguments.no_upstream:
         upstream_status = "skipped (--no-upstream)"
     elif not upstream_available():
         upstream_status = "not importable: pip install --no-deps nemo-automodel==0.7.0"
     else:
-        # Interleaved rounds, so that load on a shared machine hits both alike.
-        print("-- interleaved: upstream eager and packfn compiled, same batches --", flush=True)
         upstream_status = "run"
-        upstream = Trainer(reference, upstream_loss, device, "upstream eager")
+        minimum_length = config.length if arguments.upstream_rows == "budget" else 0
+        upstream_function = functools.partial(upstream_loss, minimum_length=minimum_length)
+        # 2. upstream under plain torch.compile: a first pass compiles and recompiles.
+        print("-- upstream helpers under plain torch.compile (graph breaks allowed) --", flush=True)
+        upstream_backend = CountingInductor()
+        drivers[UPSTREAM_COMPILED] = Driver(UPSTREAM_COMPILED, warmup_steps=len(batches))
+        trainers[UPSTREAM_COMPILED] = Trainer(
+            copy.deepcopy(model),
+            torch.compile(upstream_function, backend=upstream_backend),
+            device,
+            drivers[UPSTREAM_COMPILED],
+        )
+        before = _graph_breaks()
         for batch in batches:
-            upstream.step(batch)
-            packfn.step(batch)
+            trainers[UPSTREAM_COMPILED].step(batch)
+        drivers[UPSTREAM_EAGER] = Driver(UPSTREAM_EAGER, warmup_steps=1)
+        trainers[UPSTREAM_EAGER] = Trainer(copy.deepcopy(model), upstream_function, device, drivers[UPSTREAM_EAGER])
 
-    graph_breaks = dict(counters["graph_break"])
-    # With the upstream run, packfn's median is taken over the interleaved rounds.
-    steady = packfn.seconds[len(batches) :] if upstream else packfn.seconds[1:]
-    report = ProfileReport(
-        graph_breaks=sum(graph_breaks.values()),
-        graph_break_reasons=graph_breaks,
-        frames_compiled=backend.frames,
-        recompiles=max(0, backend.frames - 1),
-        compile_s=max(0.0, compile_s),
-        step_s=packfn.seconds,
-        median_step_s=statistics.median(steady),
-        trace_files=sorted(str(path) for path in run_dir.glob("*.pt.trace.json*")),
-        run_dir=str(run_dir),
-        losses=packfn.losses,
+    # 3. Interleaved rounds over the same batches, the drivers' order rotating.
+    order = [name for name in (UPSTREAM_EAGER, UPSTREAM_COMPILED, PACKFN) if name in trainers]
+    print(f"-- interleaved rounds: {', '.join(order)}, same batches --", flush=True)
+    for round_index, batch in enumerate(batches):
+        shift = round_index % len(order)
+        for name in order[shift:] + order[:shift]:
+            trainers[name].step(batch)
+    if UPSTREAM_COMPILED in drivers:
+        _record_compiles(drivers[UPSTREAM_COMPILED], upstream_backend, before)
+    drivers[PACKFN].recompiles = backend.recompiles
+    drivers[PACKFN].frames = backend.frames
+
+    trace_files = sorted(str(path) for path in run_dir.glob("*.pt.trace.json*"))
+    report = MainJobReport(
+        config=config,
+        batch=arguments.batch,
+        mean=arguments.mean,
+        steps=len(batches),
+        worst_case_length=worst,
+        real_tokens=sum(batch.num_tokens for batch in batches),
+        upstream_lengths=[batch.upstream_length for batch in batches],
+        drivers=drivers,
         upstream=upstream_status,
+        trace_files=trace_files,
+        run_dir=str(run_dir),
     )
-    if report.trace_files:
-        report.trace_summary = summarize_trace(report.trace_files[0])
-    if upstream is not None:
-        report.upstream_step_s = upstream.seconds
-        report.upstream_median_step_s = statistics.median(upstream.seconds[1:])
-        report.upstream_losses = upstream.losses
+    if trace_files:
+        report.trace_summary = summarize_trace(trace_files[0])
     return report
 
 
 def main(argv: list[str] | None = None) -> int:
-    use_packfn_cache_key()  # NOTE [Compile caches do not see decompositions]
     report = run(parse_args(argv))
     print("\n".join(report.lines()), flush=True)
     return 0

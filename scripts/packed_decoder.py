@@ -1,7 +1,12 @@
 """A small packed-sequence decoder driven by packfn, and the same model driven by the upstream helpers.
 
-Shared by ``scripts/profile.py``, ``scripts/export.py`` and ``scripts/gpu_check.py``;
+Shared by ``scripts/main_job.py``, ``scripts/export.py`` and ``scripts/gpu_check.py``;
 importing it has no side effects (no compile, no sys.path change, no upstream import).
+
+Batches come from :func:`packfn.pack_stream` over a seeded stream of
+exponential document lengths: every row fits ``max_documents`` documents and
+the aligned budget (by default the input row length), so the model's static
+budgets are the packer's, not the worst case of :func:`packfn.aligned_length`.
 
 The model takes token ids ``[batch, sequence]`` and either a document-id mask
 ``[batch, sequence]`` (1-based ids, 0 at padding, the packing format of
@@ -11,8 +16,9 @@ everything between the mask and the attention kernel has static shapes:
 1. :func:`packfn.batch_metadata` parses the mask into row-local boundaries
    ``[batch, D + 1]``, hence the lengths ``[batch, D]`` (``D`` = the packer's cap);
 2. :func:`packfn.layout.aligned_layout` aligns each document start to
-   ``alignment`` columns in rows of the fixed length
-   :func:`packfn.layout.aligned_length` (the worst case, so every batch fits);
+   ``alignment`` columns in rows of the fixed length ``budget``, which the
+   packer guarantees every batch fits (without a packer:
+   :func:`packfn.layout.aligned_length`, the worst case);
 3. ``pack`` moves the embeddings into the aligned rows; ``position_ids`` of the
    layout drive RoPE; :func:`packfn.attention.block_causal_mask` of the layout's
    ``sequence_ids`` is the SDPA mask (or, on a GPU, a FlexAttention
@@ -28,6 +34,8 @@ block-causal mask as ``_indexed_mask_to_4d_block_causal`` builds it), and
 
 from __future__ import annotations
 
+import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -35,10 +43,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention.flex_attention import flex_attention
 
-from packfn import batch_metadata
+from packfn import PackedBatch, batch_metadata, pack_stream
 from packfn.attention import block_causal_mask, document_block_mask
 from packfn.layout import PackedSequenceLayout, aligned_layout, aligned_length
-from scripts.benchmarks.common import make_inputs
 
 __all__ = [
     "Batch",
@@ -46,6 +53,7 @@ __all__ = [
     "PackedDecoder",
     "add_model_arguments",
     "batches_and_config",
+    "document_lengths",
     "eager_block_causal_mask",
     "lengths_from_boundaries",
     "make_batches",
@@ -60,10 +68,15 @@ IGNORE_INDEX = -100
 
 @dataclass(frozen=True)
 class DecoderConfig:
-    """Model and packing sizes. ``max_documents`` is the packer's cap ``D`` (documents per row)."""
+    """Model and packing sizes: ``max_documents`` (``D``) and ``budget`` are the packer's.
+
+    ``budget`` is the aligned row length; ``None`` takes the worst case
+    :func:`packfn.aligned_length` (fits any batch, packed or not).
+    """
 
     sequence: int = 512
     max_documents: int = 16
+    budget: int | None = None
     vocab: int = 256
     hidden: int = 128
     layers: int = 2
@@ -74,7 +87,9 @@ class DecoderConfig:
 
     @property
     def length(self) -> int:
-        """The aligned row length: the worst case of ``max_documents`` documents in ``sequence`` tokens."""
+        """The aligned row length: ``budget``, else the worst case of ``max_documents`` documents in ``sequence``."""
+        if self.budget is not None:
+            return self.budget
         return aligned_length(self.sequence, self.max_documents, self.alignment)
 
 
@@ -216,26 +231,43 @@ def eager_block_causal_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     return (same_document & causal.unsqueeze(0) & valid.unsqueeze(2) & valid.unsqueeze(1)).unsqueeze(1)
 
 
-def upstream_logits(model: PackedDecoder, input_ids: torch.Tensor, document_ids: torch.Tensor) -> torch.Tensor:
-    """:meth:`PackedDecoder.forward` with the upstream eager helpers (data-dependent aligned length)."""
+def upstream_logits(
+    model: PackedDecoder, input_ids: torch.Tensor, document_ids: torch.Tensor, *, minimum_length: int = 0
+) -> torch.Tensor:
+    """:meth:`PackedDecoder.forward` with the upstream eager helpers.
+
+    The aligned row length is upstream's: the longest aligned row of the
+    batch (data-dependent), at least ``minimum_length`` (``packed_layout``'s
+    way of keeping a fixed pack budget: pass the packer's budget and every
+    batch gets rows of exactly that length).
+    """
     from nemo_automodel.components.datasets.packing import build_packed_sequence_metadata
     from nemo_automodel.components.models.deepseek_v41.packing import packed_layout
 
     metadata = build_packed_sequence_metadata(document_ids)
     seq_lens = lengths_from_boundaries(metadata["cu_seqlens"])
     layout = packed_layout(
-        seq_lens, seq_lens_padded=None, input_shape=tuple(document_ids.shape), alignment=model.config.alignment
+        seq_lens,
+        seq_lens_padded=None,
+        input_shape=tuple(document_ids.shape),
+        alignment=model.config.alignment,
+        minimum_length=minimum_length,
     )
     return model.decode(input_ids, layout, eager_block_causal_mask(layout.sequence_ids))
 
 
 def upstream_loss(
-    model: PackedDecoder, input_ids: torch.Tensor, document_ids: torch.Tensor, labels: torch.Tensor
+    model: PackedDecoder,
+    input_ids: torch.Tensor,
+    document_ids: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    minimum_length: int = 0,
 ) -> torch.Tensor:
     """:func:`packed_loss` with the upstream helpers; the loss reads the real tokens that ``get_unpad_data`` lists."""
     from nemo_automodel.components.datasets.packing import get_unpad_data
 
-    logits = upstream_logits(model, input_ids, document_ids)
+    logits = upstream_logits(model, input_ids, document_ids, minimum_length=minimum_length)
     indices, _, _ = get_unpad_data(document_ids)
     return F.cross_entropy(logits.flatten(0, 1)[indices].float(), labels.flatten()[indices], ignore_index=IGNORE_INDEX)
 
@@ -250,29 +282,76 @@ class Batch:
     input_ids: torch.Tensor
     document_ids: torch.Tensor
     labels: torch.Tensor
-    seq_lens: torch.Tensor  # [batch, documents of this batch], 0 for absent slots
+    packed: PackedBatch  # the packer's record: rows, seq_lens [batch, D], budget, real tokens
+
+    @property
+    def seq_lens(self) -> torch.Tensor:
+        """int64 ``[batch, D]`` document lengths, 0 for absent slots."""
+        return self.packed.seq_lens
+
+    @property
+    def num_tokens(self) -> int:
+        """Real tokens of the batch."""
+        return self.packed.num_tokens
+
+    @property
+    def upstream_length(self) -> int:
+        """The aligned row length upstream's ``packed_layout`` builds for this batch (its longest aligned row)."""
+        alignment = self.packed.alignment
+        longest = max(sum(-(-piece.length // alignment) * alignment for piece in row) for row in self.packed.rows)
+        return -(-max(longest, 1) // alignment) * alignment
+
+
+def document_lengths(mean: int, seed: int) -> Iterator[int]:
+    """An endless seeded stream of document lengths: exponential with mean ``mean``, at least 1 token."""
+    generator = torch.Generator().manual_seed(seed)
+    while True:
+        for uniform in torch.rand(256, generator=generator, dtype=torch.float64).tolist():
+            yield max(1, math.ceil(-mean * math.log1p(-uniform)))
 
 
 def make_batches(
-    steps: int, *, batch: int, sequence: int, mean: int, vocab: int, device: str | torch.device = "cpu"
+    steps: int,
+    *,
+    batch: int,
+    sequence: int,
+    mean: int,
+    vocab: int,
+    alignment: int = 16,
+    max_documents: int = 16,
+    budget: int | None = None,
+    seed: int = 0,
+    device: str | torch.device = "cpu",
 ) -> list[Batch]:
-    """``steps`` seeded batches, documents drawn as in ``scripts/benchmarks/common.make_inputs`` (seed = step).
+    """``steps`` batches packed by :func:`packfn.pack_stream` from :func:`document_lengths` (``split=True``).
 
     Every batch has the same shape but different contents, so a compiled
-    model that specialized on data would recompile. Labels are the next
-    token of the same document, ``IGNORE_INDEX`` at each document's last
-    token and at padding.
+    model that specialized on data would recompile. Token ids are drawn per
+    document and laid out by :meth:`packfn.PackedBatch.gather`; labels are
+    the next token of the same document (piece), ``IGNORE_INDEX`` at each
+    piece's last token and at padding.
     """
+    stream = pack_stream(
+        document_lengths(mean, seed),
+        batch=batch,
+        sequence=sequence,
+        alignment=alignment,
+        max_documents=max_documents,
+        budget=budget,
+        split=True,  # a document longer than a row (rare at these means) is cut into pieces
+    )
+    generator = torch.Generator().manual_seed(10_000 + seed)
     result = []
-    for step in range(steps):
-        inputs = make_inputs(sequence, mean, batch=batch, seed=step, device=device)
-        generator = torch.Generator().manual_seed(10_000 + step)
-        input_ids = torch.randint(0, vocab, (batch, sequence), generator=generator).to(device)
-        document_ids = inputs.document_ids
+    for packed in (next(stream) for _ in range(steps)):
+        tokens = {
+            index: torch.randint(0, vocab, (length,), generator=generator)
+            for index, length in sorted(packed.document_lengths.items())
+        }
+        input_ids = packed.gather(tokens)
+        document_ids = packed.document_ids
         same_document = (document_ids[:, 1:] == document_ids[:, :-1]) & (document_ids[:, 1:] != 0)
-        labels = torch.where(same_document, input_ids[:, 1:], IGNORE_INDEX)
-        labels = F.pad(labels, (0, 1), value=IGNORE_INDEX)
-        result.append(Batch(input_ids, document_ids, labels, inputs.seq_lens))
+        labels = F.pad(torch.where(same_document, input_ids[:, 1:], IGNORE_INDEX), (0, 1), value=IGNORE_INDEX)
+        result.append(Batch(input_ids.to(device), document_ids.to(device), labels.to(device), packed))
     return result
 
 
@@ -286,22 +365,33 @@ def add_model_arguments(parser, *, batch: int, sequence: int, mean: int, hidden:
     parser.add_argument("--layers", type=int, default=layers)
     parser.add_argument("--vocab", type=int, default=vocab)
     parser.add_argument("--alignment", type=int, default=16, help="alignment of document starts in packed rows")
+    parser.add_argument("--max-documents", type=int, default=16, help="the packer's cap of documents per row (D)")
+    parser.add_argument(
+        "--budget",
+        type=int,
+        default=None,
+        help="aligned row length the packer fills to, a multiple of --alignment (default: --sequence rounded up)",
+    )
     parser.add_argument("--device", default="cpu")
 
 
 def batches_and_config(arguments, steps: int) -> tuple[list[Batch], DecoderConfig]:
-    """``steps`` batches from the flags of :func:`add_model_arguments`, and the config whose ``D`` fits them all."""
+    """``steps`` packed batches from the flags of :func:`add_model_arguments`, and the config of their budgets."""
     batches = make_batches(
         steps,
         batch=arguments.batch,
         sequence=arguments.sequence,
         mean=arguments.mean,
         vocab=arguments.vocab,
+        alignment=arguments.alignment,
+        max_documents=arguments.max_documents,
+        budget=arguments.budget,
         device=arguments.device,
     )
     config = DecoderConfig(
         sequence=arguments.sequence,
-        max_documents=max(batch.seq_lens.shape[1] for batch in batches),  # the packer's cap D
+        max_documents=arguments.max_documents,
+        budget=batches[0].packed.budget,
         vocab=arguments.vocab,
         hidden=arguments.hidden,
         layers=arguments.layers,

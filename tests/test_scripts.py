@@ -1,4 +1,4 @@
-"""End-to-end runs of the scripts at tiny sizes: profile (and its TensorBoard view), export, bench.
+"""End-to-end runs of the scripts at tiny sizes: the main job (and its TensorBoard view), export, bench.
 
 Each script is called in-process through its ``main(argv)``; timings are never checked.
 """
@@ -22,7 +22,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from scripts import export as export_script  # noqa: E402
-from scripts import profile as profile_script  # noqa: E402
+from scripts import main_job  # noqa: E402
 
 TINY_MODEL = ["--batch", "2", "--sequence", "64", "--mean", "16", "--hidden", "32", "--heads", "2", "--layers", "1"]
 PROFILE_INSTALL = "pip install -e '.[profile]'"
@@ -31,39 +31,77 @@ TENSORBOARD_WAIT_S = 90
 
 @pytest.fixture(scope="module")
 def profiled(tmp_path_factory) -> tuple[Path, str]:
-    """Run ``scripts/profile.py`` once at tiny sizes: ``(out folder, printed output)``."""
+    """Run ``scripts/main_job.py`` once at tiny sizes: ``(out folder, printed output)``."""
     import contextlib
     import io
 
     out = tmp_path_factory.mktemp("profiles")
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
-        code = profile_script.main(
-            [*TINY_MODEL, "--vocab", "64", "--steps", "3", "--out", str(out), "--run-name", "tiny"]
-        )
+        code = main_job.main([*TINY_MODEL, "--vocab", "64", "--steps", "3", "--out", str(out), "--run-name", "tiny"])
     assert code == 0
     return out, printed.getvalue()
 
 
-def test_profile_writes_a_trace_and_reports_no_graph_break_or_recompile(profiled):
+def _report(printed: str) -> str:
+    return printed[printed.index("== packfn main job report ==") :]
+
+
+def test_main_job_writes_a_trace_and_packfn_compiles_once_with_no_graph_break(profiled):
     out, printed = profiled
     traces = list((out / "tiny").glob("*.pt.trace.json*"))
     assert traces, f"no trace file under {out / 'tiny'}"
-    report = printed[printed.index("== packfn profile report ==") :]
-    assert "graph breaks:      0\n" in report
-    assert "recompiles:        0  (frames compiled: 1," in report
-    assert "median step:       packfn compiled" in report
+    report = _report(printed)
+    assert "packfn graph: 0 graph breaks, 0 recompiles (frames compiled: 1, 6 steps" in report
+    row = next(line for line in report.splitlines() if line.startswith("packfn torch.compile(fullgraph=True)"))
+    assert row.split()[-4:-2] == ["0", "0"], row  # graph breaks, recompiles
     assert "0 packfn:: calls" in report  # the compiled step calls back into no packfn op
-    for step in range(3):
+    for step in range(6):
         assert f"step {step:>3}  packfn compiled" in printed
 
 
-def test_profile_compares_with_upstream_eager_on_equal_losses(profiled):
+def test_main_job_packs_under_the_packer_budget_not_the_worst_case(profiled):
+    _, printed = profiled
+    report = _report(printed)
+    # sequence 64, alignment 16, 16 documents: the packer's budget is 64 columns, the worst case 304.
+    assert (
+        "max_documents=16, budget=64 aligned columns (without the packer: aligned_length(64, 16, 16) = 304)" in report
+    )
+    fill = next(line for line in report.splitlines() if line.startswith("real tokens:"))
+    assert 0 < float(fill.split()[2].rstrip("%")) <= 100
+
+
+def test_main_job_reports_three_drivers_on_equal_losses(profiled):
     pytest.importorskip("nemo_automodel.components.models.deepseek_v41.packing")
     _, printed = profiled
-    assert "upstream eager" in printed
-    parity = next(line for line in printed.splitlines() if line.startswith("loss parity:"))
+    report = _report(printed).splitlines()
+    titles = ["upstream eager", "upstream torch.compile", "packfn torch.compile(fullgraph=True)"]
+    rows = [next(line for line in report if line.startswith(title + " ")) for title in titles]
+    for row in rows:
+        assert " ms " in row
+        assert float(row.split(" ms ")[1].split()[0].replace(",", "")) > 0  # tokens per second
+    assert rows[0].split()[-3:] == ["-", "-", "-"]  # eager: no graph breaks, recompiles or compile time
+    graph_breaks, recompiles = (int(value) for value in rows[1].split()[-4:-2])
+    assert graph_breaks > 0  # upstream's .item() / .tolist() / nonzero break the graph
+    assert recompiles >= 0
+    assert any(line.startswith("fastest:") for line in report)
+    parity = next(line for line in report if line.startswith("loss parity:"))
     assert float(parity.rsplit("|diff| ", 1)[1].rstrip(")")) < 1e-4
+
+
+def test_main_job_script_runs_as_a_file_and_needs_no_stdlib_shadowing_guard():
+    """``python scripts/main_job.py`` puts ``scripts/`` first on sys.path: no file there may shadow the stdlib."""
+    names = {path.stem for path in (REPO / "scripts").glob("*.py")}
+    assert not names & set(sys.stdlib_module_names), names & set(sys.stdlib_module_names)
+    result = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "main_job.py"), "--help"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "--upstream-rows" in result.stdout
 
 
 def _free_port() -> int:
