@@ -144,11 +144,22 @@ def _sizes_fake(values: torch.Tensor, bounds: list[int]) -> torch.Tensor:
     return values.new_empty((*sizes, 0))
 
 
-@packfn_op("_sizes", fake=_sizes_fake)
-def _sizes(values: torch.Tensor, bounds: list[int]) -> torch.Tensor:
-    # One read for all values (eager: a single host sync; traced: one
-    # unbacked size per value).
+def _sizes_eager(values: torch.Tensor, bounds: list[int]) -> torch.Tensor:
+    # One read for all values: a single host sync.
     return values.new_empty((*values.tolist(), 0))
+
+
+@packfn_op("_sizes", fake=_sizes_fake, eager=_sizes_eager)
+def _sizes(values: torch.Tensor, bounds: list[int]) -> torch.Tensor:
+    # Traced: one unbacked size per value, with its declared range (the
+    # fake's range never reaches a trace: FakeTensorMode runs this body).
+    sizes = []
+    for index, bound in enumerate(bounds):
+        size = values[index].item()
+        torch._check(size >= 0, lambda: "a packfn size read back is negative")
+        torch._check(size <= bound, lambda: "a packfn size read back exceeds its bound")
+        sizes.append(size)
+    return values.new_empty((*sizes, 0))
 
 
 def python_ints(values: list[torch.Tensor], bounds: list[int]) -> tuple[int, ...]:
@@ -163,7 +174,10 @@ def python_ints(values: list[torch.Tensor], bounds: list[int]) -> tuple[int, ...
         read = torch.stack([value.reshape(()).to(torch.int64) for value in values]).tolist()
         return _clamped(read, bounds)
     # Clamped into the declared range: values read alongside broken-rule
-    # flags (``checked_ints``) may be meaningless, never out of range.
+    # flags (``checked_ints``) may be meaningless, never out of range. A
+    # bound of 2**62 at most leaves room for ``size + 1`` in int64 (an int64
+    # mask's largest id is bounded by 2**63 - 1).
+    bounds = [min(bound, 2**62) for bound in bounds]
     stacked = torch.stack(
         [value.reshape(()).to(torch.int64).clamp(0, bound) for value, bound in zip(values, bounds, strict=True)]
     )
