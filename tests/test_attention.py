@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 import re
 from unittest import mock
 
@@ -25,7 +27,7 @@ from strategies_attention import (
 from torch._dynamo.testing import CompileCounterWithBackend
 from torch._inductor.graph import GraphLowering
 from torch.nn.attention import flex_attention as flex_module
-from torch.nn.attention.flex_attention import create_block_mask, create_mask, flex_attention
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, create_mask, flex_attention
 
 import packfn
 from packfn import attention as pa
@@ -193,10 +195,29 @@ def test_ops_report_broken_rules_instead_of_raising(op):
 def create_reference_block_mask(mask, block_size, window, separate_full_blocks=True):
     batch, sequence = mask.shape
     mask_mod = pa.document_mask_mod(mask, window=window)
-    return create_block_mask(
-        mask_mod, batch, 1, sequence, sequence, device="cpu", BLOCK_SIZE=block_size,
-        separate_full_blocks=separate_full_blocks,
-    )  # fmt: skip
+    shape = (mask_mod, batch, 1, sequence, sequence)
+    if "separate_full_blocks" in inspect.signature(create_block_mask).parameters:
+        return create_block_mask(*shape, device="cpu", BLOCK_SIZE=block_size, separate_full_blocks=separate_full_blocks)
+    # torch 2.11's create_block_mask has no separate_full_blocks argument (it
+    # always separates them): the BlockMask without full blocks is built from
+    # its dense mask, in create_block_mask's index order.
+    reference = create_block_mask(*shape, device="cpu", BLOCK_SIZE=block_size)
+    if separate_full_blocks:
+        return reference
+    return BlockMask.from_kv_blocks(
+        *_dense_to_ordered(reference.to_dense()),
+        BLOCK_SIZE=block_size,
+        mask_mod=mask_mod,
+        seq_lengths=(sequence, sequence),
+    )
+
+
+def _dense_to_ordered(dense):
+    """``kv_num_blocks`` and ``kv_indices`` (present blocks ascending, then the others) of a dense block mask."""
+    dense = dense.to(torch.int32)
+    return dense.sum(dim=-1, dtype=torch.int32), torch.argsort(dense, dim=-1, descending=True, stable=True).to(
+        torch.int32
+    )
 
 
 BLOCK_FIELDS = (
@@ -493,9 +514,21 @@ COMPILED_MASKS = [
 ]
 
 
-@pytest.fixture(scope="module")
+# torch 2.11 only: Inductor's CPU SDPA backward with a bool attn_mask on
+# float64 inputs fails ("expected scalar type Double but found Float" in
+# aten._scaled_dot_product_flash_attention_for_cpu_backward, the mask cast
+# to float32): a torch bug in the tests' reference attention, fixed in 2.13.
+SDPA_BOOL_MASK_BACKWARD_BUG = pytest.mark.xfail(
+    torch.__version__.startswith("2.11."),
+    reason="torch 2.11: compiled CPU SDPA backward with a bool mask on float64 (Double/Float mismatch)",
+    raises=RuntimeError,
+    strict=True,
+)
+
+
+@functools.cache
 def compiled():
-    """Compiled attentions shared by the tests below, and a counter of their compiles."""
+    """Compiled attentions shared by the tests below, and a counter of their compiles (compiled once, in a test)."""
     torch._dynamo.reset()
     counter = CompileCounterWithBackend("inductor")
 
@@ -517,16 +550,18 @@ def compiled():
     return counter, functions, codes
 
 
-def test_compiled_attention_holds_no_packfn_call(compiled):
-    codes = compiled[2]
+@SDPA_BOOL_MASK_BACKWARD_BUG
+def test_compiled_attention_holds_no_packfn_call():
+    codes = compiled()[2]
     assert len(codes) == 3  # dense forward and backward, flex forward (BlockMask built in the graph)
     for code in codes:
         no_packfn_fallback(code)
 
 
+@SDPA_BOOL_MASK_BACKWARD_BUG
 @pytest.mark.parametrize("mask", COMPILED_MASKS)
-def test_packing_keeps_the_math_compiled(compiled, mask):
-    counter, functions, _ = compiled
+def test_packing_keeps_the_math_compiled(mask):
+    counter, functions, _ = compiled()
     expected = forward_backward(per_document_attention, mask)
     inputs = qkv(mask) + qkv(mask)
     outputs = functions["dense"](*inputs, mask)

@@ -71,7 +71,9 @@ def _valid_first(valid: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tenso
     valid_seen = valid.cumsum(0)
     positions = torch.arange(valid.numel(), device=valid.device)
     destination = torch.where(valid, valid_seen - 1, (positions - valid_seen).add_(valid_seen[-1]))
-    return torch.empty_like(values).scatter_(0, destination, values), valid_seen
+    # Out of place: torch 2.11 loses an unbacked size of a compiled drop-in
+    # (PendingUnbackedSymbolNotFound) after an in-place scatter here.
+    return torch.empty_like(values).scatter(0, destination, values), valid_seen
 
 
 def _parse_mask(attention_mask: torch.Tensor, max_documents: int) -> _ParsedMask:
