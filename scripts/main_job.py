@@ -12,17 +12,29 @@ from the same initial weights, by three drivers:
 
 1. **upstream eager**: NeMo AutoModel 0.7.0's helpers
    (``build_packed_sequence_metadata``, ``packed_layout`` / ``pack`` /
-   ``restore`` with its data-dependent row length, a dense block-causal
-   mask, ``get_unpad_data`` for the loss), eagerly;
+   ``restore``, a dense block-causal mask, ``get_unpad_data`` for the loss),
+   eagerly;
 2. **upstream compiled**: the same function under plain ``torch.compile``
    (graph breaks allowed); its graph breaks and recompiles are counted;
 3. **packfn compiled**: packfn's static path under
    ``torch.compile(fullgraph=True)``: one graph, no recompiles.
 
+Upstream's rows are given the packer's budget as ``packed_layout``'s
+``minimum_length`` (``--upstream-rows budget``), so all three attend over
+the same area and differ only in how they get there; ``--upstream-rows data``
+keeps upstream's data-dependent row length. Under ``torch.compile`` the
+upstream helpers run eagerly (``torch.compiler.disable``: a graph break at
+each call, ``--upstream-helpers eager``), which is what keeps that driver's
+compile time near packfn's: traced (``--upstream-helpers traced``),
+``packed_layout``'s per-document loop specializes the graph on every batch's
+lengths, and its dynamic-shape recompile alone took over five minutes on the
+2-core machine.
+
 Each compiled driver first runs over all the batches (compiling and, for
-upstream, recompiling), then the three drivers alternate over the same
-batches (so load on a shared machine hits them alike) and the report takes
-their medians: step time (forward, backward, AdamW) and real tokens per
+upstream, recompiling), then the three drivers take turns on each batch,
+``--rounds`` passes over the batches, their order rotating (so load on a
+shared machine hits them alike); the report takes each driver's median over
+those turns: step time (forward, backward, AdamW) and real tokens per
 second, with the fraction of the budget that is real tokens. packfn's first
 pass runs under ``torch.profiler`` with a TensorBoard trace handler writing
 one run folder under ``--out``.
@@ -41,7 +53,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import functools
 import statistics
 import sys
 import time
@@ -62,9 +73,10 @@ from scripts.packed_decoder import (  # noqa: E402
     PackedDecoder,
     add_model_arguments,
     batches_and_config,
+    lengths_from_boundaries,
     packed_loss,
     upstream_available,
-    upstream_loss,
+    upstream_loss_function,
 )
 
 __all__ = [
@@ -76,6 +88,7 @@ __all__ = [
     "parse_args",
     "run",
     "summarize_trace",
+    "time_upstream_helpers",
 ]
 
 PACKFN = "packfn compiled"
@@ -193,6 +206,9 @@ class MainJobReport:
     upstream: str
     trace_files: list[str]
     run_dir: str
+    upstream_rows: str = "budget"
+    upstream_helpers: str = "eager"
+    upstream_helpers_s: float | None = None  # median eager time of the three upstream helpers on a batch
     trace_summary: TraceSummary | None = None
 
     @property
@@ -208,31 +224,41 @@ class MainJobReport:
         return min(self.drivers.values(), key=lambda driver: driver.median_step_s).name
 
     def verdict(self) -> str:
-        """Which driver is fastest, and why packfn compiled is not when it is not."""
+        """Which driver is fastest, by how much, and why packfn compiled is not when it is not."""
         ours = self.packfn.median_step_s
         others = [driver for driver in self.drivers.values() if driver.name != PACKFN]
         if not others:
             return "only packfn compiled ran"
         ratios = ", ".join(f"{driver.median_step_s / ours:.2f}x {driver.name}" for driver in others)
-        if self.fastest() == PACKFN:
-            return f"packfn compiled ({ratios})"
+        steady = self.packfn.steady
+        low, _, high = statistics.quantiles(steady, n=4) if len(steady) >= 2 else (ours, ours, ours)
+        spread = f"packfn's steps: quartiles {low * 1e3:.1f} to {high * 1e3:.1f} ms"
+        fastest = self.fastest()
+        if fastest == PACKFN:
+            return f"packfn compiled ({ratios}; {spread})"
         length = self.config.length
-        upstream_area = statistics.mean(value * value for value in self.upstream_lengths)
-        area = length * length / upstream_area
+        upstream_lengths = self.upstream_lengths if self.upstream_rows == "data" else [length]
+        area = length * length / statistics.mean(value * value for value in upstream_lengths)
         if area > 1.05:
             why = (
                 f"its fixed budget of {length} columns covers {area:.2f}x the attention area of upstream's "
-                f"data-dependent rows (mean {statistics.mean(self.upstream_lengths):.0f} columns): "
-                "pass a tighter --budget"
+                f"data-dependent rows (mean {statistics.mean(upstream_lengths):.0f} columns): pass a tighter --budget"
+            )
+        elif fastest == UPSTREAM_COMPILED:
+            why = (
+                "upstream compiled runs the same compiled model on the same area; the two differ only in the "
+                f"packing metadata (upstream's eager helpers, {self._helpers_ms()} a step, against packfn's inside "
+                "the graph), which is less than the noise of this machine: try more --rounds"
             )
         else:
-            spread = statistics.quantiles(self.packfn.steady, n=4) if len(self.packfn.steady) >= 2 else [ours, ours]
             why = (
-                f"at the same attention area ({area:.2f}x upstream's) the compiled graph saves less than the "
-                f"step-to-step spread (packfn quartiles {spread[0] * 1e3:.1f} to {spread[-1] * 1e3:.1f} ms): "
-                "at tiny sizes the step is launch overhead, and a loaded machine adds noise (try more --steps)"
+                "at these sizes a step is mostly per-op overhead, which compiling does not remove, and the "
+                "margins are within the noise of this machine: try more --rounds"
             )
-        return f"{self.fastest()} ({ratios}); packfn compiled is not the fastest here: {why}"
+        return f"{fastest} ({ratios}; {spread}); packfn compiled is not the fastest here: {why}"
+
+    def _helpers_ms(self) -> str:
+        return "unmeasured" if self.upstream_helpers_s is None else f"{self.upstream_helpers_s * 1e3:.1f} ms"
 
     def lines(self) -> list[str]:
         """The printed report."""
@@ -244,8 +270,8 @@ class MainJobReport:
             f"columns (without the packer: aligned_length({config.sequence}, {config.max_documents}, "
             f"{config.alignment}) = {self.worst_case_length})",
             f"real tokens:  {self.budget_fill:.1%} of the budget ({self.real_tokens} of {self.steps} x {self.batch} x "
-            f"{config.length}); upstream's data-dependent rows: {statistics.mean(self.upstream_lengths):.0f} "
-            f"columns on average",
+            f"{config.length}); upstream's data-dependent rows would be {statistics.mean(self.upstream_lengths):.0f} "
+            "columns on average",
             f"{'driver':<38}{'median step':>12}{'tokens/s':>11}{'graph breaks':>14}{'recompiles':>12}{'compile':>10}",
         ]
         for name in (UPSTREAM_EAGER, UPSTREAM_COMPILED, PACKFN):
@@ -260,6 +286,22 @@ class MainJobReport:
             )
         if UPSTREAM_EAGER not in self.drivers:
             result.append(f"upstream:     {self.upstream}")
+        else:
+            rows = (
+                f"packed_layout(minimum_length={config.length}): the packer's budget, packfn's area"
+                if self.upstream_rows == "budget"
+                else "packed_layout's data-dependent length (the longest aligned row of each batch)"
+            )
+            helpers = (
+                "run eagerly (torch.compiler.disable: a graph break at each call)"
+                if self.upstream_helpers == "eager"
+                else "traced by Dynamo"
+            )
+            result.append(f"upstream:     rows of {rows}; under torch.compile its helpers {helpers}")
+            result.append(
+                f"              the helpers take {self._helpers_ms()} a step eagerly "
+                "(build_packed_sequence_metadata, packed_layout, get_unpad_data; median over the batches)"
+            )
         result.append(f"fastest:      {self.verdict()}")
         packfn = self.packfn
         result.append(
@@ -270,8 +312,8 @@ class MainJobReport:
         upstream_compiled = self.drivers.get(UPSTREAM_COMPILED)
         if upstream_compiled is not None:
             reasons = "; ".join(
-                f"{reason.splitlines()[0][:70]} x{count}"
-                for reason, count in sorted(upstream_compiled.graph_break_reasons.items(), key=lambda kv: -kv[1])[:3]
+                f"{_short_reason(reason)} x{count}"
+                for reason, count in sorted(upstream_compiled.graph_break_reasons.items(), key=lambda kv: -kv[1])[:4]
             )
             result.append(
                 f"upstream compiled: {upstream_compiled.graphs} graphs in {upstream_compiled.frames} frames over "
@@ -287,6 +329,15 @@ class MainJobReport:
             result.append(f"in the trace: {self.trace_summary.line()}")
         result.append(f"view:         tensorboard --logdir {Path(self.run_dir).parent}")
         return result
+
+
+def _short_reason(reason: str) -> str:
+    """The first line of a graph-break reason, with the function it names (if any)."""
+    import re
+
+    first = reason.splitlines()[0][:60]
+    function = re.search(r"<function (\S+) at 0x", reason)
+    return f"{first} ({function.group(1)})" if function else first
 
 
 # Allocation and view calls of Inductor's wrapper code (no compute), left out of the summary.
@@ -349,7 +400,10 @@ def summarize_trace(path: str | Path) -> TraceSummary:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_arguments(parser, batch=4, sequence=512, mean=96, hidden=128, layers=2, vocab=256)
-    parser.add_argument("--steps", type=int, default=8, help="batches; each driver trains on each of them twice")
+    parser.add_argument("--steps", type=int, default=8, help="batches (each a new one: the same shape, new documents)")
+    parser.add_argument(
+        "--rounds", type=int, default=3, help="interleaved passes of the three drivers over the batches (timed)"
+    )
     parser.add_argument("--attention", choices=("sdpa", "flex"), default="sdpa")
     parser.add_argument("--out", type=Path, default=Path("profiles"))
     parser.add_argument("--run-name", default=None, help="run folder under --out (default: decoder_<sizes>_<time>)")
@@ -361,9 +415,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="upstream's aligned row length: the packer's budget (packed_layout(minimum_length=budget), the "
         "same area as packfn) or its data-dependent longest row (a new length recompiles the compiled driver)",
     )
+    parser.add_argument(
+        "--upstream-helpers",
+        choices=("eager", "traced"),
+        default="eager",
+        help="under the upstream torch.compile driver, run upstream's helpers eagerly (torch.compiler.disable: "
+        "a graph break at each call) or let Dynamo trace them (packed_layout's per-document loop then "
+        "recompiles for every batch: minutes each on 2 CPU cores)",
+    )
     arguments = parser.parse_args(argv)
     if arguments.steps < 2:
         parser.error("--steps must be at least 2 (the first step compiles)")
+    if arguments.rounds < 1:
+        parser.error("--rounds must be at least 1")
     return arguments
 
 
@@ -410,6 +474,28 @@ def _record_compiles(driver: Driver, backend: CountingInductor, before: dict[str
     }
     driver.graph_breaks = sum(driver.graph_break_reasons.values())
     driver.recompiles, driver.frames, driver.graphs = backend.recompiles, backend.frames, backend.graphs
+
+
+def time_upstream_helpers(batches: list[Batch], alignment: int, minimum_length: int) -> float:
+    """Median seconds of the three upstream helpers on one batch, eagerly (what upstream compiled leaves eager)."""
+    from nemo_automodel.components.datasets.packing import build_packed_sequence_metadata, get_unpad_data
+    from nemo_automodel.components.models.deepseek_v41.packing import packed_layout
+
+    seconds = []
+    for batch in batches * 2:
+        document_ids = batch.document_ids
+        begin = time.perf_counter()
+        metadata = build_packed_sequence_metadata(document_ids)
+        packed_layout(
+            lengths_from_boundaries(metadata["cu_seqlens"]),
+            seq_lens_padded=None,
+            input_shape=tuple(document_ids.shape),
+            alignment=alignment,
+            minimum_length=minimum_length,
+        )
+        get_unpad_data(document_ids)
+        seconds.append(time.perf_counter() - begin)
+    return statistics.median(seconds[len(batches) :])
 
 
 def run(arguments: argparse.Namespace) -> MainJobReport:
@@ -480,14 +566,17 @@ def run(arguments: argparse.Namespace) -> MainJobReport:
     else:
         upstream_status = "run"
         minimum_length = config.length if arguments.upstream_rows == "budget" else 0
-        upstream_function = functools.partial(upstream_loss, minimum_length=minimum_length)
+        eager_helpers = arguments.upstream_helpers == "eager"
         # 2. upstream under plain torch.compile: a first pass compiles and recompiles.
         print("-- upstream helpers under plain torch.compile (graph breaks allowed) --", flush=True)
         upstream_backend = CountingInductor()
         drivers[UPSTREAM_COMPILED] = Driver(UPSTREAM_COMPILED, warmup_steps=len(batches))
         trainers[UPSTREAM_COMPILED] = Trainer(
             copy.deepcopy(model),
-            torch.compile(upstream_function, backend=upstream_backend),
+            torch.compile(
+                upstream_loss_function(minimum_length=minimum_length, eager_helpers=eager_helpers),
+                backend=upstream_backend,
+            ),
             device,
             drivers[UPSTREAM_COMPILED],
         )
@@ -495,12 +584,14 @@ def run(arguments: argparse.Namespace) -> MainJobReport:
         for batch in batches:
             trainers[UPSTREAM_COMPILED].step(batch)
         drivers[UPSTREAM_EAGER] = Driver(UPSTREAM_EAGER, warmup_steps=1)
-        trainers[UPSTREAM_EAGER] = Trainer(copy.deepcopy(model), upstream_function, device, drivers[UPSTREAM_EAGER])
+        trainers[UPSTREAM_EAGER] = Trainer(
+            copy.deepcopy(model), upstream_loss_function(minimum_length=minimum_length), device, drivers[UPSTREAM_EAGER]
+        )
 
     # 3. Interleaved rounds over the same batches, the drivers' order rotating.
     order = [name for name in (UPSTREAM_EAGER, UPSTREAM_COMPILED, PACKFN) if name in trainers]
     print(f"-- interleaved rounds: {', '.join(order)}, same batches --", flush=True)
-    for round_index, batch in enumerate(batches):
+    for round_index, batch in enumerate(batches * arguments.rounds):
         shift = round_index % len(order)
         for name in order[shift:] + order[:shift]:
             trainers[name].step(batch)
@@ -522,7 +613,11 @@ def run(arguments: argparse.Namespace) -> MainJobReport:
         upstream=upstream_status,
         trace_files=trace_files,
         run_dir=str(run_dir),
+        upstream_rows=arguments.upstream_rows,
+        upstream_helpers=arguments.upstream_helpers,
     )
+    if upstream_status == "run":
+        report.upstream_helpers_s = time_upstream_helpers(batches, config.alignment, minimum_length)
     if trace_files:
         report.trace_summary = summarize_trace(trace_files[0])
     return report

@@ -25,17 +25,18 @@ everything between the mask and the attention kernel has static shapes:
    ``BlockMask`` from :func:`packfn.attention.document_block_mask`);
 4. ``restore`` brings the hidden states back to the input columns for the LM head.
 
-:func:`upstream_logits` runs the same weights through NeMo AutoModel 0.7.0's
-eager helpers instead (``build_packed_sequence_metadata``, ``packed_layout``
-with its data-dependent row length, its ``pack`` / ``restore`` and a dense
-block-causal mask as ``_indexed_mask_to_4d_block_causal`` builds it), and
-:func:`upstream_loss` reduces over the tokens ``get_unpad_data`` selects.
+:func:`upstream_loss_function` runs the same weights through NeMo AutoModel
+0.7.0's eager helpers instead (``build_packed_sequence_metadata``,
+``packed_layout`` with its data-dependent row length or a fixed
+``minimum_length``, its ``pack`` / ``restore`` and a dense block-causal mask
+as ``_indexed_mask_to_4d_block_causal`` builds it) and reduces over the
+tokens ``get_unpad_data`` selects.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -59,8 +60,8 @@ __all__ = [
     "make_batches",
     "packed_loss",
     "upstream_available",
-    "upstream_logits",
     "upstream_loss",
+    "upstream_loss_function",
 ]
 
 IGNORE_INDEX = -100
@@ -231,29 +232,51 @@ def eager_block_causal_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     return (same_document & causal.unsqueeze(0) & valid.unsqueeze(2) & valid.unsqueeze(1)).unsqueeze(1)
 
 
-def upstream_logits(
-    model: PackedDecoder, input_ids: torch.Tensor, document_ids: torch.Tensor, *, minimum_length: int = 0
-) -> torch.Tensor:
-    """:meth:`PackedDecoder.forward` with the upstream eager helpers.
+def upstream_loss_function(*, minimum_length: int = 0, eager_helpers: bool = False) -> Callable[..., torch.Tensor]:
+    """:func:`packed_loss` driven by the upstream helpers: a function of ``(model, input_ids, document_ids, labels)``.
 
-    The aligned row length is upstream's: the longest aligned row of the
-    batch (data-dependent), at least ``minimum_length`` (``packed_layout``'s
-    way of keeping a fixed pack budget: pass the packer's budget and every
-    batch gets rows of exactly that length).
+    It runs :meth:`PackedDecoder.decode` on upstream's layout
+    (``build_packed_sequence_metadata`` for the lengths, ``packed_layout``,
+    a dense block-causal mask as ``_indexed_mask_to_4d_block_causal``
+    builds it) and reduces over the real tokens ``get_unpad_data`` lists.
+
+    Args:
+        minimum_length: ``packed_layout``'s ``minimum_length``: 0 for
+            upstream's data-dependent row length (the longest aligned row of
+            the batch), or a packer's budget for rows of exactly that length.
+        eager_helpers: Wrap the three helpers in ``torch.compiler.disable``:
+            under ``torch.compile`` each call is then a graph break and runs
+            eagerly, instead of being traced (tracing ``packed_layout``
+            unrolls its per-document loop, so the graph specializes on every
+            batch's lengths and recompiles; one dynamic-shape recompile of
+            that frame took over five minutes on the 2-core machine). No
+            effect in eager.
     """
-    from nemo_automodel.components.datasets.packing import build_packed_sequence_metadata
+    from nemo_automodel.components.datasets.packing import build_packed_sequence_metadata, get_unpad_data
     from nemo_automodel.components.models.deepseek_v41.packing import packed_layout
 
-    metadata = build_packed_sequence_metadata(document_ids)
-    seq_lens = lengths_from_boundaries(metadata["cu_seqlens"])
-    layout = packed_layout(
-        seq_lens,
-        seq_lens_padded=None,
-        input_shape=tuple(document_ids.shape),
-        alignment=model.config.alignment,
-        minimum_length=minimum_length,
-    )
-    return model.decode(input_ids, layout, eager_block_causal_mask(layout.sequence_ids))
+    helpers = (build_packed_sequence_metadata, packed_layout, get_unpad_data)
+    if eager_helpers:
+        helpers = tuple(torch.compiler.disable(helper) for helper in helpers)
+    metadata_of, layout_of, unpad_data = helpers
+
+    def loss(model: PackedDecoder, input_ids: torch.Tensor, document_ids: torch.Tensor, labels: torch.Tensor):
+        metadata = metadata_of(document_ids)
+        seq_lens = lengths_from_boundaries(metadata["cu_seqlens"])
+        layout = layout_of(
+            seq_lens,
+            seq_lens_padded=None,
+            input_shape=tuple(document_ids.shape),
+            alignment=model.config.alignment,
+            minimum_length=minimum_length,
+        )
+        logits = model.decode(input_ids, layout, eager_block_causal_mask(layout.sequence_ids))
+        indices, _, _ = unpad_data(document_ids)
+        return F.cross_entropy(
+            logits.flatten(0, 1)[indices].float(), labels.flatten()[indices], ignore_index=IGNORE_INDEX
+        )
+
+    return loss
 
 
 def upstream_loss(
@@ -264,12 +287,8 @@ def upstream_loss(
     *,
     minimum_length: int = 0,
 ) -> torch.Tensor:
-    """:func:`packed_loss` with the upstream helpers; the loss reads the real tokens that ``get_unpad_data`` lists."""
-    from nemo_automodel.components.datasets.packing import get_unpad_data
-
-    logits = upstream_logits(model, input_ids, document_ids, minimum_length=minimum_length)
-    indices, _, _ = get_unpad_data(document_ids)
-    return F.cross_entropy(logits.flatten(0, 1)[indices].float(), labels.flatten()[indices], ignore_index=IGNORE_INDEX)
+    """:func:`packed_loss` with the upstream helpers (see :func:`upstream_loss_function`)."""
+    return upstream_loss_function(minimum_length=minimum_length)(model, input_ids, document_ids, labels)
 
 
 # ------------------------------------------------------------------ inputs

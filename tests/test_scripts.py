@@ -38,7 +38,8 @@ def profiled(tmp_path_factory) -> tuple[Path, str]:
     out = tmp_path_factory.mktemp("profiles")
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
-        code = main_job.main([*TINY_MODEL, "--vocab", "64", "--steps", "3", "--out", str(out), "--run-name", "tiny"])
+        argv = [*TINY_MODEL, "--vocab", "64", "--steps", "3", "--rounds", "1", "--out", str(out), "--run-name", "tiny"]
+        code = main_job.main(argv)
     assert code == 0
     return out, printed.getvalue()
 
