@@ -91,6 +91,8 @@ __all__ = [
     "time_upstream_helpers",
 ]
 
+# Each Inductor C++ kernel a named event in the trace (both compiled drivers are compiled with it).
+KERNEL_PROFILE = {"cpp.enable_kernel_profile": True}
 PACKFN = "packfn compiled"
 UPSTREAM_EAGER = "upstream eager"
 UPSTREAM_COMPILED = "upstream compiled"
@@ -295,7 +297,7 @@ class MainJobReport:
             helpers = (
                 "run eagerly (torch.compiler.disable: a graph break at each call)"
                 if self.upstream_helpers == "eager"
-                else "traced by Dynamo"
+                else "are traced by Dynamo"
             )
             result.append(f"upstream:     rows of {rows}; under torch.compile its helpers {helpers}")
             result.append(
@@ -546,7 +548,7 @@ def run(arguments: argparse.Namespace) -> MainJobReport:
     before = _graph_breaks()
     # Kernel profiling makes each Inductor C++ kernel a named event in the trace.
     with (
-        torch._inductor.config.patch({"cpp.enable_kernel_profile": True}),
+        torch._inductor.config.patch(KERNEL_PROFILE),
         torch.profiler.profile(
             activities=activities,
             schedule=schedule,
@@ -581,8 +583,10 @@ def run(arguments: argparse.Namespace) -> MainJobReport:
             drivers[UPSTREAM_COMPILED],
         )
         before = _graph_breaks()
-        for batch in batches:
-            trainers[UPSTREAM_COMPILED].step(batch)
+        # Compiled with the same Inductor settings as packfn's graph (kernel profiling hooks included).
+        with torch._inductor.config.patch(KERNEL_PROFILE):
+            for batch in batches:
+                trainers[UPSTREAM_COMPILED].step(batch)
         drivers[UPSTREAM_EAGER] = Driver(UPSTREAM_EAGER, warmup_steps=1)
         trainers[UPSTREAM_EAGER] = Trainer(
             copy.deepcopy(model), upstream_loss_function(minimum_length=minimum_length), device, drivers[UPSTREAM_EAGER]
