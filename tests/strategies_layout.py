@@ -105,3 +105,13 @@ def layout_inputs(draw, *, broken: bool = False) -> LayoutInput:
     alignment = draw(ALIGNMENTS)
     minimum_length = draw(st.one_of(st.integers(-5, 8), st.integers(0, 600)))
     return LayoutInput(seq_lens, seq_lens_padded, (batch, sequence), alignment, minimum_length)
+
+
+def random_values(shape, dtype, seed=0):
+    """Activations of any dtype for pack / restore / unpad / pad: random, reproducible from ``seed``."""
+    generator = torch.Generator().manual_seed(seed)
+    if dtype == torch.bool:
+        return torch.rand(shape, generator=generator) > 0.5
+    if not dtype.is_floating_point:
+        return torch.randint(-100, 100, shape, generator=generator, dtype=dtype)
+    return torch.randn(shape, generator=generator).to(dtype)

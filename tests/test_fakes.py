@@ -27,6 +27,7 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv, free_unbacked_symbol
 import packfn
 from packfn._ops import layout as layout_ops
 from packfn._ops import metadata as metadata_ops
+from tests.strategies_layout import random_values
 
 NAMESPACE = "packfn"
 EXAMPLE = torch.tensor([[1, 1, 2, 2, 2, 0], [1, 1, 1, 1, 0, 0]])
@@ -93,15 +94,6 @@ def _layout_tables():
     yield "one-row", (torch.tensor([[7]]), torch.tensor([[7]]), 7, 128, 256)
 
 
-def _values(shape, dtype, seed=0):
-    generator = torch.Generator().manual_seed(seed)
-    if dtype == torch.bool:
-        return torch.rand(shape, generator=generator) > 0.5
-    if not dtype.is_floating_point:
-        return torch.randint(-100, 100, shape, generator=generator, dtype=dtype)
-    return torch.randn(shape, generator=generator).to(dtype)
-
-
 VALUE_CASES = [
     (torch.float32, ()),
     (torch.float32, (2, 3)),
@@ -119,14 +111,14 @@ def _pack_samples(restore: bool):
     for dtype, trailing in VALUE_CASES:
         name = f"{dtype}-{trailing}"
         if restore:
-            values = _values((2, source_indices.shape[1], *trailing), dtype)
+            values = random_values((2, source_indices.shape[1], *trailing), dtype)
             yield name, (values, input_positions, source_indices)
         else:
-            values = _values((2, input_positions.shape[1], *trailing), dtype)
+            values = random_values((2, input_positions.shape[1], *trailing), dtype)
             yield name, (values, source_indices, input_positions, -1.5 if dtype.is_floating_point else 1.0)
     # A non-contiguous input (the sequence axis last in memory).
     width = source_indices.shape[1] if restore else input_positions.shape[1]
-    strided = _values((2, 3, width), torch.float32).transpose(1, 2)
+    strided = random_values((2, 3, width), torch.float32).transpose(1, 2)
     if restore:
         yield "transposed", (strided, input_positions, source_indices)
     else:
@@ -142,10 +134,10 @@ def _unpad_samples():
         mask = MASKS[mask_name]
         metadata = _varlen(mask)
         for dtype, trailing in VALUE_CASES:
-            values = _values((*mask.shape, *trailing), dtype)
+            values = random_values((*mask.shape, *trailing), dtype)
             yield f"{mask_name}-{dtype}-{trailing}", (values, metadata.indices, metadata.num_tokens)
     metadata = _varlen(EXAMPLE)
-    strided = _values((2, 3, 6), torch.float32).transpose(1, 2)
+    strided = random_values((2, 3, 6), torch.float32).transpose(1, 2)
     yield "transposed", (strided, metadata.indices, metadata.num_tokens)
 
 
@@ -154,10 +146,10 @@ def _pad_samples():
         mask = MASKS[mask_name]
         metadata = _varlen(mask)
         for dtype, trailing in VALUE_CASES:
-            values = _values((mask.numel(), *trailing), dtype)
+            values = random_values((mask.numel(), *trailing), dtype)
             yield f"{mask_name}-{dtype}-{trailing}", (values, metadata.indices, metadata.num_tokens, mask.shape[1])
     metadata = _varlen(EXAMPLE)
-    strided = _values((3, 12), torch.float32).t()
+    strided = random_values((3, 12), torch.float32).t()
     yield "transposed", (strided, metadata.indices, metadata.num_tokens, 6)
 
 

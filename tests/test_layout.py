@@ -15,7 +15,7 @@ from torch._inductor.utils import run_and_get_code
 
 from packfn._ops import layout as layout_ops
 from packfn.layout import aligned_layout, aligned_length, packed_layout
-from tests.strategies_layout import ALIGNMENTS, layout_inputs, length_tables
+from tests.strategies_layout import ALIGNMENTS, layout_inputs, length_tables, random_values
 
 FIELDS = ("source_indices", "input_positions", "position_ids", "sequence_ids")
 VALUE_DTYPES = (torch.float32, torch.bfloat16, torch.int64, torch.bool)
@@ -35,15 +35,6 @@ def upstream_outcome(inputs):
         return upstream.packed_layout(inputs.seq_lens, **inputs.kwargs())
     except ValueError as error:
         return str(error)
-
-
-def random_values(shape, dtype, seed=0):
-    generator = torch.Generator().manual_seed(seed)
-    if dtype == torch.bool:
-        return torch.rand(shape, generator=generator) > 0.5
-    if not dtype.is_floating_point:
-        return torch.randint(-100, 100, shape, generator=generator, dtype=dtype)
-    return torch.randn(shape, generator=generator).to(dtype)
 
 
 # ---------------------------------------------------------------- parity with upstream
