@@ -4,14 +4,9 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["MASK_DTYPES", "check_mask", "check_positive_int", "is_compiling"]
+__all__ = ["MASK_DTYPES", "check_mask", "check_positive_int"]
 
 MASK_DTYPES = frozenset({torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64})
-
-
-def is_compiling() -> bool:
-    """True while torch.compile or torch.export traces (host-side checks are skipped then)."""
-    return torch.compiler.is_compiling()
 
 
 def check_mask(attention_mask: torch.Tensor, *, name: str = "attention_mask") -> None:

@@ -289,8 +289,8 @@ def packed_layout(
             alignment, non-integer dtypes, mismatched shapes, an absent
             document with a span, and a negative length, a span shorter
             than its length or spans past the input row. Under
-            ``torch.compile`` the data errors are ``torch._assert_async``
-            checks (``RuntimeError``) instead.
+            ``torch.compile`` / ``torch.export`` the data errors are
+            sync-free asserts (``RuntimeError``) with the same messages.
     """
     if alignment < 1:
         raise ValueError("Packed alignment must be positive")
