@@ -267,12 +267,17 @@ def _overflow_rule(dtype: torch.dtype, limit: int) -> Rule:
 
 
 def _dropin_rules(
-    attention_mask: torch.Tensor, num_tokens: torch.Tensor, broken: torch.Tensor, overflow: torch.Tensor | None
+    attention_mask: torch.Tensor,
+    broken: torch.Tensor,
+    *,
+    num_tokens: torch.Tensor | None,
+    overflow: torch.Tensor | None,
 ) -> tuple[torch.Tensor, tuple[Rule, ...]]:
-    """The drop-ins' flags and rules: no valid token, the mask rules, then (narrow dtypes) overflow."""
-    sequence = attention_mask.shape[1]
-    flags = [(num_tokens == 0).reshape(1), broken]
-    rules = (_NO_TOKEN, *_ops.mask_rules(sequence))
+    """The drop-ins' flags and rules: no valid token (where given), the mask rules, then (narrow dtypes) overflow."""
+    flags, rules = [broken], _ops.mask_rules(attention_mask.shape[1])
+    if num_tokens is not None:
+        flags.insert(0, (num_tokens == 0).reshape(1))
+        rules = (_NO_TOKEN, *rules)
     if overflow is not None:
         flags.append(overflow.reshape(1))
         rules = (*rules, _overflow_rule(attention_mask.dtype, _narrow_limit(attention_mask.dtype)))
@@ -303,10 +308,8 @@ def get_seqlens_in_batch(attention_mask: torch.Tensor) -> torch.Tensor:
     parsed = _ops.varlen_metadata(attention_mask, sequence)
     # An all-padding mask is no error here: upstream returns no lengths.
     limit = _narrow_limit(attention_mask.dtype)
-    flags, rules = parsed.broken, _ops.mask_rules(sequence)
-    if limit is not None:
-        flags = torch.cat([flags, (parsed.max_seqlen > limit).reshape(1)])
-        rules = (*rules, _overflow_rule(attention_mask.dtype, limit))
+    overflow = None if limit is None else parsed.max_seqlen > limit
+    flags, rules = _dropin_rules(attention_mask, parsed.broken, num_tokens=None, overflow=overflow)
     (documents,) = checked_ints([parsed.num_documents], [batch * sequence], flags, rules)
     return parsed.seqlens[:documents].to(attention_mask.dtype)
 
@@ -340,7 +343,7 @@ def get_unpad_data(attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     limit = _narrow_limit(attention_mask.dtype)
     if limit is not None:
         overflow = (parsed.max_seqlen > limit) & (attention_mask.max() > 1)
-    flags, rules = _dropin_rules(attention_mask, parsed.num_tokens, parsed.broken, overflow)
+    flags, rules = _dropin_rules(attention_mask, parsed.broken, num_tokens=parsed.num_tokens, overflow=overflow)
     tokens, documents, longest = checked_ints(
         [parsed.num_tokens, parsed.num_documents, parsed.max_seqlen],
         [batch * sequence, batch * sequence, sequence],
@@ -375,7 +378,7 @@ def build_packed_sequence_metadata(attention_mask: torch.Tensor) -> PackedSequen
     if limit is not None:
         overflow = ((parsed.row_max_seqlen > limit) & (attention_mask.amax(1) > 1)).any()
     num_tokens = (parsed.packed_token_indices >= 0).sum()
-    flags, rules = _dropin_rules(attention_mask, num_tokens, parsed.broken, overflow)
+    flags, rules = _dropin_rules(attention_mask, parsed.broken, num_tokens=num_tokens, overflow=overflow)
     id_bound = 1 if attention_mask.dtype == torch.bool else int(torch.iinfo(attention_mask.dtype).max)
     largest_id = attention_mask.max().to(torch.int64).clamp_min(1)
     width, longest = checked_ints([largest_id, parsed.row_max_seqlen.max()], [id_bound, sequence], flags, rules)
