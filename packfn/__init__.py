@@ -16,6 +16,7 @@ from packfn.attention import (
     document_block_mask,
     document_mask_mod,
     packed_attention_inputs,
+    packed_position_ids,
     packed_seq_params_from_doc_ids,
     pad,
     physical_varlen_metadata,
@@ -28,6 +29,7 @@ from packfn.contract import (
     PackedSequenceContract,
     resolve_packing_contract,
 )
+from packfn.hf import hf_model_inputs
 from packfn.layout import PackedSequenceLayout, aligned_layout, aligned_length, packed_layout
 from packfn.metadata import (
     BatchMetadata,
@@ -66,10 +68,12 @@ __all__ = [
     "flatten_packed_sequence_metadata",
     "get_seqlens_in_batch",
     "get_unpad_data",
+    "hf_model_inputs",
     "pack_documents",
     "pack_stream",
     "packed_attention_inputs",
     "packed_layout",
+    "packed_position_ids",
     "packed_seq_params_from_doc_ids",
     "pad",
     "physical_varlen_metadata",

@@ -46,6 +46,7 @@ __all__ = [
     "document_block_mask",
     "document_mask_mod",
     "packed_attention_inputs",
+    "packed_position_ids",
     "packed_seq_params_from_doc_ids",
     "pad",
     "physical_varlen_metadata",
@@ -78,6 +79,37 @@ def block_causal_mask(document_ids: torch.Tensor) -> torch.Tensor:
     mask, broken = _ops.block_causal_mask(document_ids)
     assert_rules(broken, _ops.document_rules(document_ids))
     return mask
+
+
+# ------------------------------------------------------------- position ids
+
+
+def packed_position_ids(document_ids: torch.Tensor) -> torch.Tensor:
+    """Position ids that restart at every document of a packed batch, with no host sync.
+
+    A valid token's position is its rank among the valid tokens of its
+    document, so every document sees the positions it would have alone
+    (padding inside a document does not count). A padding token continues
+    the count of the last valid token before it in its row; one with none
+    before it counts from the row start. Trailing padding therefore continues
+    the last document, which is what NeMo AutoModel's packed-sequence
+    collater writes (``_pad_pack``); the tests hold the two equal.
+
+    Args:
+        document_ids: ``[batch, sequence]`` integer or bool document ids.
+
+    Returns:
+        int64 ``[batch, sequence]``. For the example mask of this module:
+        ``[[0, 1, 0, 1, 2, 3], [0, 1, 2, 3, 4, 5]]``.
+
+    Raises:
+        ValueError: as :func:`block_causal_mask`.
+        RuntimeError: as :func:`block_causal_mask`.
+    """
+    check_mask(document_ids, name="document_ids")
+    positions, broken = _ops.position_ids(document_ids)
+    assert_rules(broken, _ops.document_rules(document_ids))
+    return positions
 
 
 # ------------------------------------------------------------ physical varlen

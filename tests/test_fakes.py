@@ -174,6 +174,7 @@ SAMPLES = {
     "restore": lambda: _pack_samples(restore=True),
     "block_causal_mask": _document_ids_samples,
     "physical_varlen_metadata": _document_ids_samples,
+    "position_ids": _document_ids_samples,
     "document_kv_blocks": _kv_block_samples,
     "unpad": _unpad_samples,
     "pad": _pad_samples,

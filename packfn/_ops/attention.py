@@ -52,11 +52,13 @@ __all__ = [
     "BlockCausalOutputs",
     "DocumentKvBlocks",
     "PhysicalVarlenOutputs",
+    "PositionOutputs",
     "block_causal_mask",
     "document_kv_blocks",
     "document_rules",
     "pad",
     "physical_varlen_metadata",
+    "position_ids",
     "segment_starts",
     "unpad",
 ]
@@ -103,6 +105,41 @@ def block_causal_mask(document_ids: torch.Tensor) -> tuple[torch.Tensor, torch.T
     # Same id and a valid query imply a valid key.
     same = (ids.unsqueeze(2) == ids.unsqueeze(1)) & (ids != 0).unsqueeze(2)
     return (same & causal).unsqueeze(1), _broken(ids)
+
+
+# ------------------------------------------------------------ position ids
+
+
+def _position_ids_fake(document_ids: torch.Tensor):
+    """int64 ``[batch, sequence]`` and the rule flags."""
+    return document_ids.new_empty(document_ids.shape, dtype=torch.int64), _broken_fake(document_ids)
+
+
+class PositionOutputs(NamedTuple):
+    """Outputs of ``packfn::position_ids``."""
+
+    position_ids: torch.Tensor  # int64 [batch, sequence]
+    broken: torch.Tensor  # bool [3]: document_rules
+
+
+@packfn_op("position_ids", fake=_position_ids_fake, outputs=PositionOutputs)
+def position_ids(document_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    # A valid token's position is its rank among its document's valid tokens.
+    # A padding token continues the count of the last valid token before it
+    # in its row (its position plus the distance), and one with no valid
+    # token before it in its row counts from the row start.
+    batch, sequence = document_ids.shape
+    parsed = _parse_mask(document_ids, sequence)
+    starts, seen = parsed.starts.reshape(-1), parsed.valid_seen
+    flat = torch.arange(starts.numel(), device=starts.device)
+    documents = starts.cumsum(0)  # documents begun at or before each position
+    # The valid rank (in the flat stream) of each document's first token.
+    first = _compact(starts, seen - 1, starts.numel(), search=False)
+    last_valid = parsed.indices.index_select(0, (seen - 1).clamp_min(0))
+    rank = seen - 1 - first.index_select(0, (documents - 1).clamp_min(0))
+    in_row = (seen > 0) & (torch.div(last_valid, sequence, rounding_mode="floor") == flat // sequence)
+    positions = torch.where(in_row, rank + flat - last_valid, flat % sequence)
+    return positions.view(batch, sequence), parsed.broken
 
 
 # ------------------------------------------------------------ physical varlen

@@ -1,0 +1,187 @@
+"""Hugging Face transformers: a packed batch as a model's keyword arguments, in one call.
+
+:func:`hf_model_inputs` turns a document-id mask (the packing format of
+:mod:`packfn._ops.metadata`) into what a transformers causal LM needs to
+treat every document as a sequence of its own: position ids that restart
+per document (:func:`packfn.packed_position_ids`), the attention input of the
+model's ``attn_implementation``, and labels that never ask a document to
+predict the next one. It reads the model's config (attention backend, sliding
+windows, layer types) and never imports transformers; under
+``torch.compile(fullgraph=True)`` it adds no graph break and no host sync.
+
+NOTE [transformers' own packed path needs use_cache=False]
+Given restarting ``position_ids`` and no ``attention_mask``, transformers
+(``masking_utils.find_packed_sequence_indices``) builds document masks
+itself, but only when ``past_key_values`` is None. A config's default
+``use_cache=True`` makes the model create a cache even in ``train()`` mode,
+so the detection is skipped and every token silently attends the earlier
+documents of its row. packfn passes the mask explicitly, so ``use_cache``
+does not matter (``tests/test_hf.py`` pins both facts).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+from torch.nn.attention.flex_attention import BlockMask
+
+from packfn._checks import check_mask, check_positive_int
+from packfn.attention import document_block_mask, packed_attention_inputs, packed_position_ids
+from packfn.contract import DEFAULT_PACKED_SEQUENCE_CONTRACT
+
+__all__ = ["hf_model_inputs"]
+
+_FLASH = ("flash_attention_2", "flash_attention_3", "flash_attention_4")
+_IMPLEMENTATIONS = ("eager", "sdpa", "flex_attention", *_FLASH)
+_BLOCK_CAUSAL = dataclasses.replace(DEFAULT_PACKED_SEQUENCE_CONTRACT, packed_mask_type="block_causal")
+# The contract each backend's attention input builds on; FlexAttention takes
+# the document ids and turns them into a BlockMask here.
+_CONTRACTS = {
+    "flex_attention": dataclasses.replace(DEFAULT_PACKED_SEQUENCE_CONTRACT, packed_mask_type="document_ids"),
+    **dict.fromkeys(_FLASH, dataclasses.replace(DEFAULT_PACKED_SEQUENCE_CONTRACT, packed_mask_type="flash_varlen")),
+}
+
+
+def _windows(config: Any) -> dict[str, int | None] | int | None:
+    """The sliding window of each layer type (a dict), or the one window of every layer.
+
+    Models whose config lists ``layer_types`` (Qwen2, Gemma, ...) take one
+    mask per type; the others (Llama, Mistral) take one mask, which for
+    Mistral carries the config's ``sliding_window``.
+    """
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is None:
+        return None if window is None else check_positive_int(window, "config.sliding_window")
+    windows: dict[str, int | None] = {}
+    for layer_type in layer_types:
+        if layer_type == "full_attention":
+            windows[layer_type] = None
+        elif layer_type == "sliding_attention":
+            windows[layer_type] = check_positive_int(window, "config.sliding_window")
+        else:
+            raise ValueError(
+                f"hf_model_inputs supports the layer types 'full_attention' and 'sliding_attention', "
+                f"got {layer_type!r} in config.layer_types"
+            )
+    return windows
+
+
+def _dense_mask(
+    block_causal: torch.Tensor, window: int | None, implementation: str, dtype: torch.dtype
+) -> torch.Tensor:
+    """The block-causal mask, cut to ``window``; additive in ``dtype`` for the eager backend.
+
+    Eager attention adds its mask to the scores (a bool mask would add 0 and
+    1), so it gets ``0`` where a key is visible and the dtype's minimum
+    elsewhere, as transformers' own masks.
+    """
+    mask = block_causal
+    if window is not None:
+        positions = torch.arange(mask.shape[-1], device=mask.device)
+        mask = mask & (positions.unsqueeze(1) - positions.unsqueeze(0) < window)
+    if implementation == "eager":
+        return torch.zeros((), dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)
+    return mask
+
+
+def hf_model_inputs(
+    document_ids: torch.Tensor,
+    config: Any,
+    *,
+    input_ids: torch.Tensor | None = None,
+    labels: torch.Tensor | None = None,
+    attn_implementation: str | None = None,
+    block_size: int = 128,
+    dtype: torch.dtype | None = None,
+) -> dict[str, Any]:
+    """Return the keyword arguments of a transformers model for a packed batch.
+
+    Every shape is a function of ``[batch, sequence]`` and nothing is read
+    back to the host, so it belongs inside the compiled training step.
+    ``model(**hf_model_inputs(document_ids, model.config, input_ids=...,
+    labels=...))`` then equals running each document alone: the logits of
+    every valid token, and the loss.
+
+    Keys:
+
+    - ``input_ids`` when given.
+    - ``position_ids``: :func:`packfn.packed_position_ids`.
+    - ``labels`` when given: ``labels`` (unshifted, as transformers takes
+      them; the model shifts) with ``-100`` at padding and at the first token
+      of every document, so no document predicts the next one's first token.
+    - By ``attn_implementation`` (default ``config._attn_implementation``):
+
+      - ``"sdpa"``: ``attention_mask``, the bool block-causal mask
+        ``[batch, 1, sequence, sequence]`` (:func:`packfn.block_causal_mask`);
+      - ``"eager"``: the same mask, additive in ``dtype``;
+      - ``"flex_attention"``: ``attention_mask``, a ``BlockMask``
+        (:func:`packfn.document_block_mask` with ``block_size``);
+      - ``"flash_attention_2"`` / ``"_3"`` / ``"_4"``: ``cu_seq_lens_q``,
+        ``cu_seq_lens_k``, ``max_length_q``, ``max_length_k``: the static
+        physical boundaries of :func:`packfn.packed_attention_inputs` over the
+        flattened ``[batch * sequence]`` stream (every padding run a segment
+        of its own, ``max_length_*`` the bound ``sequence``). A document with
+        padding inside it is cut there, as upstream's varlen path cuts it;
+        pack documents contiguously for flash attention.
+
+      With sliding windows (``config.sliding_window``; per layer type where
+      the config lists ``layer_types``) the masks carry the window, and
+      models with ``layer_types`` get a dict, one mask per layer type, as
+      transformers' own mask mapping. Flash kernels apply the window
+      themselves.
+
+    Args:
+        document_ids: ``[batch, sequence]`` integer or bool document ids.
+        config: The model's config (``model.config``).
+        input_ids, labels: Optional ``[batch, sequence]`` tensors.
+        attn_implementation: Overrides ``config._attn_implementation``.
+        block_size: FlexAttention block size (16 or more on the CPU: compiled
+            CPU flex attention is wrong under 16 in torch 2.13).
+        dtype: Dtype of the eager backend's additive mask (default:
+            ``config.dtype`` when it is a ``torch.dtype``, else the default dtype).
+
+    Returns:
+        A dict of keyword arguments for ``model(**...)``.
+
+    Raises:
+        ValueError: a malformed mask, pass-through tensors not shaped
+            ``[batch, sequence]``, an attention implementation or layer type
+            not listed above, or none set.
+        TypeError: a non-integer ``block_size`` or sliding window.
+        RuntimeError: (a sync-free assert) negative or decreasing ids.
+    """
+    check_mask(document_ids, name="document_ids")
+    implementation = attn_implementation or getattr(config, "_attn_implementation", None)
+    if implementation not in _IMPLEMENTATIONS:
+        raise ValueError(
+            f"hf_model_inputs supports attn_implementation {', '.join(map(repr, _IMPLEMENTATIONS))}, "
+            f"got {implementation!r} (pass attn_implementation=, or build the model so its config has one)"
+        )
+    block_size = check_positive_int(block_size, "block_size")
+    windows = _windows(config)
+    if dtype is None:
+        dtype = config.dtype if isinstance(getattr(config, "dtype", None), torch.dtype) else torch.get_default_dtype()
+    contract = _CONTRACTS.get(implementation, _BLOCK_CAUSAL)
+    positions = packed_position_ids(document_ids)
+    inputs = packed_attention_inputs(document_ids, contract, input_ids=input_ids, labels=labels, position_ids=positions)
+    del inputs["_packed_seq_ids"]
+    if labels is not None:
+        # Valid tokens at position 0 start a document; padding takes no loss.
+        inputs["labels"] = labels.masked_fill((positions == 0) | (document_ids == 0), -100)
+    if implementation in _FLASH:
+        return inputs
+
+    def mask(window: int | None) -> torch.Tensor | BlockMask:
+        if implementation == "flex_attention":
+            return document_block_mask(document_ids, block_size=block_size, window=window)
+        return _dense_mask(inputs["attention_mask"], window, implementation, dtype)
+
+    if isinstance(windows, dict):
+        masks = {window: mask(window) for window in dict.fromkeys(windows.values())}
+        inputs["attention_mask"] = {layer_type: masks[window] for layer_type, window in windows.items()}
+    else:
+        inputs["attention_mask"] = mask(windows)
+    return inputs
