@@ -233,7 +233,20 @@ def _check_window(window: object) -> int | None:
     return None if window is None else check_positive_int(window, "window")
 
 
-def document_mask_mod(document_ids: torch.Tensor, *, window: int | None = None) -> Callable[..., torch.Tensor]:
+def _check_positions(positions: object, document_ids: torch.Tensor) -> None:
+    if positions is None:
+        return
+    if not isinstance(positions, torch.Tensor) or positions.dtype.is_floating_point or positions.dtype == torch.bool:
+        raise TypeError("positions must be an integer tensor, such as packed_position_ids(document_ids)")
+    if positions.shape != document_ids.shape:
+        raise ValueError(
+            f"positions must have the shape of document_ids {tuple(document_ids.shape)}, got {tuple(positions.shape)}"
+        )
+
+
+def document_mask_mod(
+    document_ids: torch.Tensor, *, window: int | None = None, positions: torch.Tensor | None = None
+) -> Callable[..., torch.Tensor]:
     """Return the document-causal FlexAttention ``mask_mod`` of a packed batch.
 
     Args:
@@ -242,21 +255,27 @@ def document_mask_mod(document_ids: torch.Tensor, *, window: int | None = None) 
         window: Sliding window, or None: query ``q`` then also needs
             ``q - kv < window`` (it sees at most ``window`` tokens, itself
             included, as HF's ``sliding_window``).
+        positions: Measure the window in these ``[batch, sequence]``
+            positions instead of columns (:func:`packed_position_ids`: padding
+            inside a document then does not shrink the window).
 
     Returns:
         ``mask_mod(b, h, q_idx, kv_idx) -> bool``: same id, valid, ``kv_idx <= q_idx``.
 
     Raises:
-        ValueError / TypeError: a malformed mask or a non-positive window.
+        ValueError / TypeError: a malformed mask, a non-positive window or
+            positions not an integer tensor shaped like the mask.
     """
     check_mask(document_ids, name="document_ids")
     window = _check_window(window)
+    _check_positions(positions, document_ids)
 
     def mask_mod(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
         query = document_ids[b, q_idx]
         keep = (query == document_ids[b, kv_idx]) & (query != 0) & (q_idx >= kv_idx)
         if window is not None:
-            keep = keep & (q_idx - kv_idx < window)
+            distance = q_idx - kv_idx if positions is None else positions[b, q_idx] - positions[b, kv_idx]
+            keep = keep & (distance < window)
         return keep
 
     return mask_mod
@@ -268,6 +287,7 @@ def document_block_mask(
     block_size: int = 128,
     window: int | None = None,
     separate_full_blocks: bool = True,
+    positions: torch.Tensor | None = None,
 ) -> BlockMask:
     """Build the FlexAttention ``BlockMask`` of a packed batch from its document spans.
 
@@ -285,6 +305,7 @@ def document_block_mask(
         window: Sliding window, as :func:`document_mask_mod`.
         separate_full_blocks: As ``create_block_mask``: store fully unmasked
             blocks apart so kernels skip ``mask_mod`` on them.
+        positions: Measure the window in these positions, as :func:`document_mask_mod`.
 
     Returns:
         A ``BlockMask`` with one head (broadcast over heads), ``kv_num_blocks``
@@ -303,7 +324,8 @@ def document_block_mask(
     window = _check_window(window)
     if not isinstance(separate_full_blocks, bool):
         raise TypeError(f"separate_full_blocks must be a bool, got {type(separate_full_blocks).__name__}")
-    blocks = _ops.document_kv_blocks(document_ids, block_size, window, separate_full_blocks)
+    _check_positions(positions, document_ids)
+    blocks = _ops.document_kv_blocks(document_ids, block_size, window, separate_full_blocks, positions)
     assert_rules(blocks.broken, _ops.document_rules(document_ids))
     full = (blocks.full_kv_num_blocks, blocks.full_kv_indices) if separate_full_blocks else (None, None)
     sequence = document_ids.shape[1]
@@ -312,7 +334,7 @@ def document_block_mask(
         blocks.kv_indices,
         *full,
         BLOCK_SIZE=block_size,
-        mask_mod=document_mask_mod(document_ids, window=window),
+        mask_mod=document_mask_mod(document_ids, window=window, positions=positions),
         seq_lengths=(sequence, sequence),
     )
 

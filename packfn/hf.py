@@ -70,18 +70,18 @@ def _windows(config: Any) -> dict[str, int | None] | int | None:
 
 
 def _dense_mask(
-    block_causal: torch.Tensor, window: int | None, implementation: str, dtype: torch.dtype
+    block_causal: torch.Tensor, positions: torch.Tensor, window: int | None, implementation: str, dtype: torch.dtype
 ) -> torch.Tensor:
-    """The block-causal mask, cut to ``window``; additive in ``dtype`` for the eager backend.
+    """The block-causal mask, cut to ``window`` positions; additive in ``dtype`` for the eager backend.
 
-    Eager attention adds its mask to the scores (a bool mask would add 0 and
-    1), so it gets ``0`` where a key is visible and the dtype's minimum
-    elsewhere, as transformers' own masks.
+    The window counts position ids, not columns, so padding inside a
+    document does not shrink it. Eager attention adds its mask to the scores
+    (a bool mask would add 0 and 1), so it gets ``0`` where a key is visible
+    and the dtype's minimum elsewhere, as transformers' own masks.
     """
     mask = block_causal
     if window is not None:
-        positions = torch.arange(mask.shape[-1], device=mask.device)
-        mask = mask & (positions.unsqueeze(1) - positions.unsqueeze(0) < window)
+        mask = mask & (positions.unsqueeze(2) - positions.unsqueeze(1) < window).unsqueeze(1)
     if implementation == "eager":
         return torch.zeros((), dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)
     return mask
@@ -128,7 +128,8 @@ def hf_model_inputs(
         pack documents contiguously for flash attention.
 
       With sliding windows (``config.sliding_window``; per layer type where
-      the config lists ``layer_types``) the masks carry the window, and
+      the config lists ``layer_types``) the masks carry the window, counted
+      in position ids (padding inside a document does not shrink it), and
       models with ``layer_types`` get a dict, one mask per layer type, as
       transformers' own mask mapping. Flash kernels apply the window
       themselves.
@@ -176,8 +177,8 @@ def hf_model_inputs(
 
     def mask(window: int | None) -> torch.Tensor | BlockMask:
         if implementation == "flex_attention":
-            return document_block_mask(document_ids, block_size=block_size, window=window)
-        return _dense_mask(inputs["attention_mask"], window, implementation, dtype)
+            return document_block_mask(document_ids, block_size=block_size, window=window, positions=positions)
+        return _dense_mask(inputs["attention_mask"], positions, window, implementation, dtype)
 
     if isinstance(windows, dict):
         masks = {window: mask(window) for window in dict.fromkeys(windows.values())}

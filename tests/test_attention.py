@@ -192,9 +192,9 @@ def test_ops_report_broken_rules_instead_of_raising(op):
 # ------------------------------------------------------------ flex attention
 
 
-def create_reference_block_mask(mask, block_size, window, separate_full_blocks=True):
+def create_reference_block_mask(mask, block_size, window, separate_full_blocks=True, positions=None):
     batch, sequence = mask.shape
-    mask_mod = pa.document_mask_mod(mask, window=window)
+    mask_mod = pa.document_mask_mod(mask, window=window, positions=positions)
     shape = (mask_mod, batch, 1, sequence, sequence)
     if "separate_full_blocks" in inspect.signature(create_block_mask).parameters:
         return create_block_mask(*shape, device="cpu", BLOCK_SIZE=block_size, separate_full_blocks=separate_full_blocks)
@@ -232,10 +232,16 @@ BLOCK_FIELDS = (
     st.sampled_from([1, 2, 3, 4, 7, 16, 128]),
     st.one_of(st.none(), st.integers(1, 20)),
     st.booleans(),
+    st.booleans(),
 )
-def test_document_block_mask_equals_create_block_mask(mask, block_size, window, separate):
-    ours = pa.document_block_mask(mask, block_size=block_size, window=window, separate_full_blocks=separate)
-    theirs = create_reference_block_mask(mask, block_size, window, separate)
+@example(torch.tensor([[1, 1, 0, 0, 1, 1]]), 2, 4, True, True).via("full by positions, not by columns")
+def test_document_block_mask_equals_create_block_mask(mask, block_size, window, separate, by_position):
+    """Also with the window counted in restarting position ids (padding inside documents then counts nothing)."""
+    positions = pa.packed_position_ids(mask) if by_position else None
+    ours = pa.document_block_mask(
+        mask, block_size=block_size, window=window, separate_full_blocks=separate, positions=positions
+    )
+    theirs = create_reference_block_mask(mask, block_size, window, separate, positions)
     for name in BLOCK_FIELDS:
         assert_same(getattr(ours, name), getattr(theirs, name))
     assert_same(ours.to_dense(), theirs.to_dense())
@@ -257,6 +263,11 @@ def test_document_mask_mod_is_block_causal_within_window(mask, window):
     positions = torch.arange(sequence)
     near = positions.unsqueeze(1) - positions.unsqueeze(0) < window
     assert torch.equal(windowed, dense & near)
+    ranks = pa.packed_position_ids(mask)
+    by_rank = create_mask(
+        pa.document_mask_mod(mask, window=window, positions=ranks), batch, 1, sequence, sequence, "cpu"
+    )
+    assert torch.equal(by_rank, dense & (ranks.unsqueeze(2) - ranks.unsqueeze(1) < window).unsqueeze(1))
 
 
 @pytest.mark.parametrize(

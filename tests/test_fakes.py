@@ -163,6 +163,8 @@ def _kv_block_samples():
     for name, mask in MASKS.items():
         for block_size, window, separate in ((1, None, True), (4, 2, False), (7, 3, True), (128, None, False)):
             yield f"{name}-b{block_size}-w{window}-{separate}", (mask, block_size, window, separate)
+        positions = torch.arange(mask.shape[1]).expand(mask.shape).contiguous()
+        yield f"{name}-b4-w2-positions", (mask, 4, 2, True, positions)
 
 
 SAMPLES = {

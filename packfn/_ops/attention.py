@@ -197,7 +197,13 @@ def physical_varlen_metadata(
 # ------------------------------------------------------------ flex attention
 
 
-def _document_kv_blocks_fake(document_ids: torch.Tensor, block_size: int, window: int | None, separate_full: bool):
+def _document_kv_blocks_fake(
+    document_ids: torch.Tensor,
+    block_size: int,
+    window: int | None,
+    separate_full: bool,
+    positions: torch.Tensor | None = None,
+):
     """int32 ``kv_num_blocks [B, 1, Q]``, ``kv_indices [B, 1, Q, K]``, the same two for full blocks, rule flags."""
     batch, sequence = document_ids.shape
     blocks = -(-sequence // block_size)
@@ -231,19 +237,26 @@ class DocumentKvBlocks(NamedTuple):
 
 @packfn_op("document_kv_blocks", fake=_document_kv_blocks_fake, outputs=DocumentKvBlocks)
 def document_kv_blocks(
-    document_ids: torch.Tensor, block_size: int, window: int | None, separate_full: bool
+    document_ids: torch.Tensor,
+    block_size: int,
+    window: int | None,
+    separate_full: bool,
+    positions: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     # Ids never decrease along the valid tokens of a row, so a key block j
     # strictly before query block i shares a document with it only through
     # its last id, which must be the first id of block i; the nearest pair is
     # (last valid key of j, first valid query of i), which decides the window.
+    # The window counts columns, or ``positions`` [batch, sequence] where
+    # given (increasing along each document's valid tokens, as restarting
+    # position ids).
     # The diagonal block holds each valid query attending itself.
     batch, sequence = document_ids.shape
     blocks = -(-sequence // block_size)
     unpadded = document_ids.to(torch.int64)
     ids = F.pad(unpadded, (0, blocks * block_size - sequence)).reshape(batch, blocks, block_size)
     valid = ids != 0
-    positions = torch.arange(blocks * block_size, device=ids.device).reshape(blocks, block_size)
+    columns = torch.arange(blocks * block_size, device=ids.device).reshape(blocks, block_size)
     past_end = blocks * block_size + 1
     last_id = ids.amax(dim=2)  # 0 for a block without a valid token
     # A block without a valid token gets first id -1, which no block's last
@@ -251,8 +264,8 @@ def document_kv_blocks(
     # (Any positive sentinel is a legal id that a real block may end with.)
     first_id = torch.where(valid, ids, torch.iinfo(torch.int64).max).amin(dim=2)
     first_id = torch.where(valid.any(dim=2), first_id, -1)
-    last_valid = torch.where(valid, positions, -past_end).amax(dim=2)
-    first_valid = torch.where(valid, positions, past_end).amin(dim=2)
+    last_valid = torch.where(valid, columns, -past_end).amax(dim=2)
+    first_valid = torch.where(valid, columns, past_end).amin(dim=2)
     # A full block: every slot valid and one id throughout (slots past the
     # sequence are padding, so an edge block is never full, as in create_block_mask).
     uniform = valid.all(dim=2) & (first_id == last_id)
@@ -267,10 +280,18 @@ def document_kv_blocks(
     full = uniform.unsqueeze(2) & uniform.unsqueeze(1) & shared & full_causal.unsqueeze(0)
     reach = before & shared
     if window is not None:
+        if positions is not None:
+            # The same tokens, measured in positions: gather them by index in the block.
+            coordinates = F.pad(positions.to(torch.int64), (0, blocks * block_size - sequence))
+            coordinates = coordinates.view(batch, blocks, block_size)
+            first_valid = coordinates.gather(2, (first_valid % block_size).unsqueeze(2)).squeeze(2)
+            last_valid = coordinates.gather(2, (last_valid % block_size).unsqueeze(2)).squeeze(2)
         nearest = first_valid.unsqueeze(2) - last_valid.unsqueeze(1)
         reach = reach & (nearest < window)
-        farthest = (q_block + 1) * block_size - 1 - kv_block * block_size
-        full = full & (farthest < window).unsqueeze(0)
+        # A full pair (both blocks valid throughout, one document) stays full
+        # when its farthest pair is within the window.
+        farthest = last_valid.unsqueeze(2) - first_valid.unsqueeze(1)
+        full = full & (farthest < window)
     present = reach | diagonal
     if separate_full:
         partial = present & ~full
