@@ -199,9 +199,13 @@ def _graph_breaks() -> dict[str, int]:
 
 
 def _short(error: BaseException) -> str:
-    """The exception's type and the first line of its message."""
-    lines = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {lines[0][:160] if lines else ''}"
+    """The exception's type and the first line of its message (and of Dynamo's debug context, when it has one)."""
+    lines = [line.strip() for line in str(error).strip().splitlines()]
+    text = f"{type(error).__name__}: {lines[0][:160] if lines else ''}"
+    context = next((line for line in lines if line.startswith("Developer debug context:")), None)
+    if context:
+        text += f" [{context.removeprefix('Developer debug context:').strip()[:200]}]"
+    return text
 
 
 @dataclass
@@ -223,7 +227,11 @@ class Way:
 
     def __post_init__(self) -> None:
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-3) if self.train else None
-        self.compiled = torch.compile(self.loss_function, backend=self.backend, fullgraph=True)
+        # Shapes are static by design. dynamic=False also keeps a way whose graph breaks out of automatic
+        # dynamic shapes, which it would otherwise reach through code objects the ways share (transformers'
+        # forwards), and whose symbolic sizes trip an Inductor bug in the CPU flex attention template (torch 2.13,
+        # cpp_flex_attention_template.py renames size "ks1" inside "ks14": "cur_qSplitSize4" is not declared).
+        self.compiled = torch.compile(self.loss_function, backend=self.backend, fullgraph=True, dynamic=False)
 
     def step(self, step: Step) -> None:
         """One step (forward, and backward and AdamW when training), timed, its graph breaks counted."""
@@ -241,7 +249,7 @@ class Way:
             counters["graph_break"].clear()
             counters["graph_break"].update(before)
             self.backend = CountingInductor()
-            self.compiled = torch.compile(self.loss_function, backend=self.backend)
+            self.compiled = torch.compile(self.loss_function, backend=self.backend, dynamic=False)
             begin = time.perf_counter()
             loss = self._forward(step)
         if self.optimizer is not None:
@@ -446,6 +454,10 @@ def build_model(arguments: argparse.Namespace) -> torch.nn.Module:
         num_key_value_heads=arguments.heads,
         max_position_embeddings=max(arguments.sequence, 128),
         attn_implementation=arguments.attn,
+        # A training run keeps no KV cache. With the default (True) the model builds a DynamicCache inside the
+        # step even in train mode; under flex_attention (torch 2.13, 2 layers) Dynamo then stops on
+        # AttributeError("'DynamicLayer' object has no attribute 'dtype'") in transformers' code.
+        use_cache=False,
     )
     torch.manual_seed(arguments.seed)
     return transformers.LlamaForCausalLM(config).to(arguments.device).train()
