@@ -25,7 +25,7 @@ from packfn.distributed import (
 from tests.assertions import assert_same
 from tests.strategies_distributed import ShardCase, shard_cases
 
-SETTINGS = settings(max_examples=60)
+SETTINGS = settings(max_examples=30)
 
 
 def whole_row(case: ShardCase) -> packfn.PackedSequenceLayout:

@@ -12,7 +12,7 @@ from packfn.distributed import split_batch_metadata
 from tests.assertions import assert_same
 from tests.strategies import packing_masks
 
-SETTINGS = settings(max_examples=60)
+SETTINGS = settings(max_examples=30)
 
 
 def documents_per_row(mask: torch.Tensor) -> int:
