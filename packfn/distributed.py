@@ -69,7 +69,8 @@ __all__ = [
     "split_batch_metadata",
 ]
 
-# torch 2.13 renamed the autograd all-gather (the old name warns there).
+# torch 2.13 renamed the all-gathers (the old names warn there; torch 2.11 has only those).
+_all_gather = getattr(fc, "all_gather_single", None) or fc.all_gather_tensor
 _all_gather_autograd = getattr(fc, "all_gather_single_autograd", None) or fc.all_gather_tensor_autograd
 
 
@@ -417,7 +418,7 @@ def _check_same_shapes(tensor: torch.Tensor, group: dist.ProcessGroup) -> None:
         raise ValueError(f"gather_sequence takes at most {_MAX_AXES} axes, got {tensor.ndim}")
     mine = torch.tensor(_describe(tensor), dtype=torch.int64, device=tensor.device)
     world = dist.get_world_size(group)
-    everyone = _wait(fc.all_gather_tensor(mine, 0, group)).view(world, -1)
+    everyone = _wait(_all_gather(mine, 0, group)).view(world, -1)
     if torch.compiler.is_compiling():
         torch._assert_async((everyone == mine).all(), "gather_sequence: shards differ in shape or dtype across ranks")
         return
@@ -469,7 +470,7 @@ def gather_sequence(
         _check_same_shapes(tensor, group)
     if tensor.requires_grad:
         return _wait(_all_gather_autograd(tensor.contiguous(), 1, group))
-    return _wait(fc.all_gather_tensor(tensor.contiguous(), 1, group))
+    return _wait(_all_gather(tensor.contiguous(), 1, group))
 
 
 # ------------------------------------------------------- drop-in shard
