@@ -420,7 +420,9 @@ def _check_same_shapes(tensor: torch.Tensor, group: dist.ProcessGroup) -> None:
     world = dist.get_world_size(group)
     everyone = _wait(_all_gather(mine, 0, group)).view(world, -1)
     if torch.compiler.is_compiling():
-        torch._assert_async((everyone == mine).all(), "gather_sequence: shards differ in shape or dtype across ranks")
+        torch._assert_async(
+            (everyone == mine).all(), "gather_sequence: shards differ in shape, dtype or requires_grad across ranks"
+        )
         return
     rows = everyone.tolist()
     if any(row != rows[0] for row in rows):

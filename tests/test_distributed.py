@@ -359,6 +359,11 @@ def check_gather_of_different_shapes_raises_on_every_rank(rank, world):
         gather_sequence(shard, group)
     with pytest.raises(ValueError, match=r"requires_grad"):
         gather_sequence(torch.zeros(2, 4).requires_grad_(rank == 0), group)
+    # Compiled, the check is a sync-free assert that fires before the gather, on every rank.
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda t: gather_sequence(t, group) * 2, fullgraph=True, backend="aot_eager")
+    with pytest.raises(RuntimeError, match="shards differ in shape, dtype or requires_grad across ranks"):
+        compiled(shard)
     # The group is still usable afterwards.
     assert gather_sequence(torch.zeros(2, 4), group).shape == (2, 4 * world)
 
