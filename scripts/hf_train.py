@@ -32,7 +32,8 @@ Every way is compiled once (``fullgraph=True``; a way that cannot be
 compiled whole says why and falls back to plain ``torch.compile``, its
 graph breaks counted). The ways take turns on each batch, their order
 rotating; the report gives each way's graph breaks, recompiles (counted by
-a counting Inductor backend: graphs compiled for a frame compiled before),
+a counting Inductor backend: graphs compiled for a frame the way had
+compiled before),
 compile time, median step time (the first, compiling step left out) and
 real (non-padding) tokens per second. The three first-step losses are the
 mean over the same targets from the same weights: the script exits 1 when
@@ -281,7 +282,16 @@ class Way:
 
     @property
     def recompiles(self) -> int:
-        return self.backend.recompiles
+        """Graphs compiled for a frame this way had compiled before (a guard failed on its steps)."""
+        return self.backend.graphs - self.backend.frames
+
+    @property
+    def shared_frames(self) -> int:
+        """Frames whose code an earlier way compiled first (transformers' functions, reached after a graph break)."""
+        first: dict[int, int] = {}
+        for frame, attempt in self.backend.compile_ids:
+            first.setdefault(frame, attempt)
+        return sum(1 for attempt in first.values() if attempt > 0)
 
     @property
     def median_step_s(self) -> float:
@@ -313,7 +323,12 @@ class Way:
             reuse = f"compiled once, the other {len(self.seconds) - 1} steps (new contents, same shapes) reused it"
         else:
             reuse = f"{graphs} graphs in {self.backend.frames} frames over {len(self.seconds)} steps"
-        return f"{self.name}: {how}: {reuse}{breaks}"
+        shared = (
+            f"; {self.shared_frames} of its frames run code an earlier way compiled too (not counted as recompiles)"
+            if self.shared_frames
+            else ""
+        )
+        return f"{self.name}: {how}: {reuse}{breaks}{shared}"
 
 
 def flex_backward_error(device: torch.device) -> str | None:
