@@ -740,6 +740,10 @@ def split_batch_metadata(metadata: BatchMetadata, num_microbatches: int) -> tupl
 
 
 def _longest(cu_seqlens: torch.Tensor) -> torch.Tensor:
-    """int32 0-d: the longest document of row-local boundaries (-1 past each row's last one), 0 without one."""
-    lengths = torch.where(cu_seqlens[:, 1:] >= 0, cu_seqlens[:, 1:] - cu_seqlens[:, :-1], 0)
-    return lengths.max().clamp_min(0).to(torch.int32)
+    """int32 0-d: the longest document of row-local boundaries (-1 past each row's last one), 0 without one.
+
+    Differences past a row's last boundary are 0 (-1 after -1) or negative
+    (-1 after the last boundary), so they never win the maximum; the clamp
+    covers microbatches without a document.
+    """
+    return (cu_seqlens[:, 1:] - cu_seqlens[:, :-1]).max().clamp_min(0).to(torch.int32)

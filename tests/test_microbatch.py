@@ -63,9 +63,10 @@ def test_plain_slice_keeps_the_batch_max_seqlen_split_recomputes_it():
 
 def test_split_of_an_all_padding_microbatch_has_max_seqlen_zero():
     mask = torch.tensor([[1, 1, 0], [0, 0, 0]])
-    _, empty = split_batch_metadata(packfn.batch_metadata(mask), 2)
-    assert_same(empty, packfn.batch_metadata(mask[1:]))
-    assert int(empty.max_seqlen) == 0
+    for capacity in (1, 3):  # one slot: the row's only difference is -1 - 0
+        _, empty = split_batch_metadata(packfn.batch_metadata(mask, max_documents=capacity), 2)
+        assert_same(empty, packfn.batch_metadata(mask[1:], max_documents=capacity))
+        assert int(empty.max_seqlen) == 0
 
 
 def test_split_compiles_without_recompiles():
