@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import datetime
+import json
 import math
 import os
 import queue as queue_module
@@ -426,3 +427,15 @@ def _die(rank, world):
 
 
 CHECKS["die"] = _die
+
+
+def test_bench_cp_smoke_writes_a_row_per_job(tmp_path):
+    from scripts import bench_cp
+
+    path = tmp_path / "bench_cp.json"
+    argv = ["--worlds", "2", "--sequences", "256", "--means", "64", "--repeats", "1", "--no-compile"]
+    assert bench_cp.main([*argv, "--hidden", "8", "--timeout", "60", "--json", str(path)]) == 0
+    rows = json.loads(path.read_text())["rows"]
+    assert [(row["world"], row["job"]) for row in rows] == [(2, "shard"), (2, "gather")]
+    assert set(rows[0]) >= {"upstream", "packfn drop-in", "packfn static eager", "budget"}
+    assert rows[0]["budget"] % (2 * bench_cp.ALIGNMENT) == 0
