@@ -470,9 +470,14 @@ def gather_sequence(
         raise ValueError(f"tensor must have shape [batch, local_sequence, ...], got {tuple(tensor.shape)}")
     if check_shapes:
         _check_same_shapes(tensor, group)
-    if tensor.requires_grad:
-        return _wait(_all_gather_autograd(tensor.contiguous(), 1, group))
-    return _wait(_all_gather(tensor.contiguous(), 1, group))
+    # Gathered along axis 0 ([world * batch, local, ...]) and moved into place
+    # here: torch 2.11's Dynamo does not trace the functional collectives'
+    # own regrouping for another axis (``_maybe_view_chunk_cat`` is skipped).
+    gather = _all_gather_autograd if tensor.requires_grad else _all_gather
+    stacked = _wait(gather(tensor.contiguous(), 0, group))
+    world = dist.get_world_size(group)
+    batch, local, *rest = tensor.shape
+    return stacked.view(world, batch, local, *rest).transpose(0, 1).reshape(batch, world * local, *rest)
 
 
 # ------------------------------------------------------- drop-in shard

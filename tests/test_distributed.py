@@ -276,9 +276,12 @@ def check_gather_sequence_matches_upstream(rank, world):
         (gathered * gathered * weights).sum().backward()
         grads.append((gathered.detach(), shard.grad))
     assert_same(grads[0], grads[1])
+    torch._dynamo.reset()
+    compiled = torch.compile(gather_sequence, fullgraph=True, backend="aot_eager")
     for dtype in (torch.int64, torch.bool, torch.float32):
         shard = (torch.arange(6).view(2, 3) + 10 * rank).to(dtype)
         assert_same(gather_sequence(shard, group), upstream(shard, group))
+        assert_same(compiled(shard, group), upstream(shard, group))
     shard = torch.ones(2, 3)
     assert gather_sequence(shard, None) is shard
 
