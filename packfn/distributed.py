@@ -458,9 +458,12 @@ def gather_sequence(
         or a group of one rank, ``tensor`` itself (aliased, as upstream).
 
     Raises:
-        ValueError: (every rank, with ``check_shapes``) shards that differ in
-            shape, dtype or ``requires_grad`` across ranks. Under
-            torch.compile a sync-free assert (``RuntimeError``) with that message.
+        TypeError: ``tensor`` is not a tensor.
+        ValueError: ``tensor`` has fewer than two axes (or more than eight,
+            with ``check_shapes``); (every rank, with ``check_shapes``) shards
+            that differ in shape, dtype or ``requires_grad`` across ranks.
+            Under torch.compile that check is a sync-free assert
+            (``RuntimeError``) with the same meaning, raised before the gather.
     """
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"tensor must be a torch.Tensor, got {type(tensor).__name__}")
