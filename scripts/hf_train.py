@@ -45,8 +45,8 @@ forward-only steps (no backward, no optimizer) and the report says so; on
 cuda it trains. Flex blocks are 16 on the CPU (compiled CPU flex attention
 is wrong for blocks under 16) and 128 on cuda.
 
-    python scripts/hf_train.py                          # sdpa, defaults: well under two minutes on 2 CPU cores
-    python scripts/hf_train.py --attn flex_attention    # forward only on the CPU
+    python scripts/hf_train.py                          # sdpa: 67-103 s on 2 shared CPU cores, cold compile cache
+    python scripts/hf_train.py --attn flex_attention    # forward only on the CPU: 92-131 s there
     python scripts/hf_train.py --device cuda --sequence 4096 --mean 300 --hidden 512 --layers 4
 """
 
