@@ -29,6 +29,18 @@ from packfn.contract import (
     PackedSequenceContract,
     resolve_packing_contract,
 )
+from packfn.distributed import (
+    CPShard,
+    CPVarlenMetadata,
+    ShardLayout,
+    cp_block_causal_mask,
+    cp_document_block_mask,
+    cp_varlen_metadata,
+    gather_sequence,
+    shard_cp_batch,
+    shard_packed_batch,
+    split_batch_metadata,
+)
 from packfn.hf import hf_model_inputs
 from packfn.layout import PackedSequenceLayout, aligned_layout, aligned_length, packed_layout
 from packfn.metadata import (
@@ -48,6 +60,8 @@ from packfn.packer import PackedBatch, pack_documents, pack_stream
 __all__ = [
     "DEFAULT_PACKED_SEQUENCE_CONTRACT",
     "BatchMetadata",
+    "CPShard",
+    "CPVarlenMetadata",
     "PackedBatch",
     "PackedMaskType",
     "PackedSeqParams",
@@ -55,6 +69,7 @@ __all__ = [
     "PackedSequenceLayout",
     "PackedSequenceMetadata",
     "PhysicalVarlenMetadata",
+    "ShardLayout",
     "VarlenMetadata",
     "aligned_layout",
     "aligned_length",
@@ -62,10 +77,14 @@ __all__ = [
     "block_causal_mask",
     "build_packed_sequence_metadata",
     "cache_key_tag",
+    "cp_block_causal_mask",
+    "cp_document_block_mask",
+    "cp_varlen_metadata",
     "document_block_mask",
     "document_mask_mod",
     "flatten_metadata",
     "flatten_packed_sequence_metadata",
+    "gather_sequence",
     "get_seqlens_in_batch",
     "get_unpad_data",
     "hf_model_inputs",
@@ -78,6 +97,9 @@ __all__ = [
     "pad",
     "physical_varlen_metadata",
     "resolve_packing_contract",
+    "shard_cp_batch",
+    "shard_packed_batch",
+    "split_batch_metadata",
     "to_flash_attention_kwargs",
     "unpad",
     "varlen_metadata",
