@@ -30,6 +30,7 @@ from torch.nn.attention.flex_attention import BlockMask
 from packfn._checks import check_mask, check_positive_int
 from packfn.attention import document_block_mask, packed_attention_inputs, packed_position_ids
 from packfn.contract import DEFAULT_PACKED_SEQUENCE_CONTRACT
+from packfn.metadata import varlen_metadata
 
 __all__ = ["hf_model_inputs"]
 
@@ -44,29 +45,54 @@ _CONTRACTS = {
 }
 
 
-def _windows(config: Any) -> dict[str, int | None] | int | None:
+def _windows(config: Any, window: Any) -> dict[str, int | None] | int | None:
     """The sliding window of each layer type (a dict), or the one window of every layer.
 
     Models whose config lists ``layer_types`` (Qwen2, Gemma, ...) take one
     mask per type; the others (Llama, Mistral) take one mask, which for
     Mistral carries the config's ``sliding_window``.
     """
-    window = getattr(config, "sliding_window", None)
+    if isinstance(window, str) and window == "config":
+        window = getattr(config, "sliding_window", None)
     layer_types = getattr(config, "layer_types", None)
     if layer_types is None:
-        return None if window is None else check_positive_int(window, "config.sliding_window")
+        return None if window is None else check_positive_int(window, "sliding_window")
     windows: dict[str, int | None] = {}
     for layer_type in layer_types:
         if layer_type == "full_attention":
             windows[layer_type] = None
         elif layer_type == "sliding_attention":
-            windows[layer_type] = check_positive_int(window, "config.sliding_window")
+            windows[layer_type] = check_positive_int(window, "sliding_window")
         else:
             raise ValueError(
                 f"hf_model_inputs supports the layer types 'full_attention' and 'sliding_attention', "
                 f"got {layer_type!r} in config.layer_types"
             )
     return windows
+
+
+def _check_labels(labels: object) -> None:
+    if isinstance(labels, torch.Tensor) and labels.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"labels must be an int32 or int64 tensor (they hold -100), got {labels.dtype}")
+
+
+def _shift_labels(document_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Each valid token's target: the label of the next valid token of its document, else -100.
+
+    The next valid token of the whole stream comes from the varlen
+    permutation (valid positions first, in order), so padding inside a
+    document is skipped over and a document's last token has no target.
+    """
+    batch, sequence = document_ids.shape
+    ids = document_ids.reshape(-1)
+    valid = ids != 0
+    order = varlen_metadata(document_ids)
+    following = valid.cumsum(0)  # the rank of the next valid token after each position
+    after = order.indices.gather(0, following.clamp_max(ids.numel() - 1))
+    flat = torch.arange(ids.numel(), device=ids.device)
+    same = (following < order.num_tokens) & (after // sequence == flat // sequence) & (ids.gather(0, after) == ids)
+    targets = labels.reshape(-1).gather(0, after)
+    return torch.where(valid & same, targets, torch.full_like(targets, -100)).view(batch, sequence)
 
 
 def _dense_mask(
@@ -96,6 +122,7 @@ def hf_model_inputs(
     attn_implementation: str | None = None,
     block_size: int = 128,
     dtype: torch.dtype | None = None,
+    sliding_window: int | str | None = "config",
 ) -> dict[str, Any]:
     """Return the keyword arguments of a transformers model for a packed batch.
 
@@ -109,9 +136,15 @@ def hf_model_inputs(
 
     - ``input_ids`` when given.
     - ``position_ids``: :func:`packfn.packed_position_ids`.
-    - ``labels`` when given: ``labels`` (unshifted, as transformers takes
-      them; the model shifts) with ``-100`` at padding and at the first token
-      of every document, so no document predicts the next one's first token.
+    - ``labels`` and ``shift_labels`` when ``labels`` is given. Causal LMs
+      compute their loss from ``shift_labels`` where given (transformers'
+      ``ForCausalLMLoss``): each valid token's target is the label of the
+      next valid token of its document (across padding inside it), and
+      ``-100`` at padding and at each document's last token, so no document
+      predicts the next one. ``labels`` are the given ones with ``-100`` at
+      padding and at each document's first token, the same targets once
+      shifted where no padding sits inside a document (for a loss that reads
+      ``labels`` only).
     - By ``attn_implementation`` (default ``config._attn_implementation``):
 
       - ``"sdpa"``: ``attention_mask``, the bool block-causal mask
@@ -127,8 +160,9 @@ def hf_model_inputs(
         padding inside it is cut there, as upstream's varlen path cuts it;
         pack documents contiguously for flash attention.
 
-      With sliding windows (``config.sliding_window``; per layer type where
-      the config lists ``layer_types``) the masks carry the window, counted
+      With sliding windows (``sliding_window``, by default
+      ``config.sliding_window``; per layer type where the config lists
+      ``layer_types``) the masks carry the window, counted
       in position ids (padding inside a document does not shrink it), and
       models with ``layer_types`` get a dict, one mask per layer type, as
       transformers' own mask mapping. Flash kernels apply the window
@@ -137,12 +171,19 @@ def hf_model_inputs(
     Args:
         document_ids: ``[batch, sequence]`` integer or bool document ids.
         config: The model's config (``model.config``).
-        input_ids, labels: Optional ``[batch, sequence]`` tensors.
+        input_ids, labels: Optional ``[batch, sequence]`` integer tensors
+            (``labels`` int32 or int64, unshifted, as transformers takes them).
         attn_implementation: Overrides ``config._attn_implementation``.
         block_size: FlexAttention block size (16 or more on the CPU: compiled
             CPU flex attention is wrong under 16 in torch 2.13).
-        dtype: Dtype of the eager backend's additive mask (default:
+        dtype: Floating dtype of the eager backend's additive mask (default:
             ``config.dtype`` when it is a ``torch.dtype``, else the default dtype).
+        sliding_window: The window of a config without ``layer_types``
+            (every layer), or of its ``"sliding_attention"`` layers; by
+            default ``config.sliding_window``. Pass ``None`` for an
+            architecture that ignores a ``sliding_window`` its config
+            carries (Llama does; Mistral, Mixtral, Phi3 and Starcoder2 apply
+            it to every layer).
 
     Returns:
         A dict of keyword arguments for ``model(**...)``.
@@ -151,7 +192,8 @@ def hf_model_inputs(
         ValueError: a malformed mask, pass-through tensors not shaped
             ``[batch, sequence]``, an attention implementation or layer type
             not listed above, or none set.
-        TypeError: a non-integer ``block_size`` or sliding window.
+        TypeError: a non-integer ``block_size`` or sliding window, labels
+            not int32 / int64, input ids not integer, a non-floating ``dtype``.
         RuntimeError: (a sync-free assert) negative or decreasing ids.
     """
     check_mask(document_ids, name="document_ids")
@@ -162,9 +204,14 @@ def hf_model_inputs(
             f"got {implementation!r} (pass attn_implementation=, or build the model so its config has one)"
         )
     block_size = check_positive_int(block_size, "block_size")
-    windows = _windows(config)
+    windows = _windows(config, sliding_window)
     if dtype is None:
         dtype = config.dtype if isinstance(getattr(config, "dtype", None), torch.dtype) else torch.get_default_dtype()
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"dtype must be a floating torch.dtype (the eager mask's), got {dtype!r}")
+    _check_labels(labels)
+    if isinstance(input_ids, torch.Tensor) and (input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool):
+        raise TypeError(f"input_ids must be an integer tensor, got {input_ids.dtype}")
     contract = _CONTRACTS.get(implementation, _BLOCK_CAUSAL)
     positions = packed_position_ids(document_ids)
     inputs = packed_attention_inputs(document_ids, contract, input_ids=input_ids, labels=labels, position_ids=positions)
@@ -172,6 +219,7 @@ def hf_model_inputs(
     if labels is not None:
         # Valid tokens at position 0 start a document; padding takes no loss.
         inputs["labels"] = labels.masked_fill((positions == 0) | (document_ids == 0), -100)
+        inputs["shift_labels"] = _shift_labels(document_ids, labels)
     if implementation in _FLASH:
         return inputs
 

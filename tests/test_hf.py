@@ -153,11 +153,14 @@ def test_packed_forward_equals_each_document_alone(architecture, implementation,
 
 @pytest.mark.parametrize("implementation", ["sdpa", "eager", "flex_attention"])
 def test_padding_inside_a_document_does_not_split_it(implementation):
+    """Logits and loss: a target across the gap comes from the document's token before it, not from padding."""
     mask = torch.tensor([[1, 1, 0, 0, 1, 1, 2, 0, 2, 2, 0, 3, 3, 3, 0, 0]])
     net = model("qwen2", implementation)
     tokens = tokens_for(mask)
     with torch.no_grad():
-        assert_logits_match(net, mask, tokens, net(**inputs_for(mask, tokens, net)).logits)
+        output = net(**inputs_for(mask, tokens, net, labels=tokens))
+        assert_logits_match(net, mask, tokens, output.logits)
+        torch.testing.assert_close(output.loss, reference_loss(model("qwen2", "sdpa"), mask, tokens))
 
 
 # ------------------------------------------------------------ training step
@@ -209,6 +212,36 @@ def test_labels_ignore_padding_and_each_documents_first_token():
         [[1, 0, 0, 0, 1, 0, 1, 0, 0, 1, 0, 0, 0, 0, 0, 0], [0, 0, 1, 0, 0, 0, 0, 0, 0, 1, 1, 0, 0, 0, 0, 0]]
     )
     assert torch.equal(kept, (EXAMPLE != 0) & (first == 0))
+
+
+def shift_labels_reference(mask: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """By loops: the label of the next valid token of the same document, else -100."""
+    out = torch.full_like(labels, -100)
+    for row, positions in document_spans(mask):
+        out[row, positions[:-1]] = labels[row, positions[1:]]
+    return out
+
+
+@SETTINGS
+@given(packing_masks(max_batch=3, max_sequence=24, dtypes=(torch.int64, torch.int32, torch.bool)))
+@example(EXAMPLE)
+def test_shift_labels_skip_padding_and_stop_at_each_document_end(mask):
+    labels = torch.arange(mask.numel()).view(mask.shape) + 100
+    inputs = packfn.hf_model_inputs(mask, model("llama", "sdpa").config, labels=labels)
+    assert torch.equal(inputs["shift_labels"], shift_labels_reference(mask, labels))
+    assert torch.equal(labels, torch.arange(mask.numel()).view(mask.shape) + 100)  # not mutated
+
+
+def test_sliding_window_override_for_a_config_the_architecture_ignores():
+    """A Llama config carrying a sliding_window (Llama ignores it): sliding_window=None gives the right masks."""
+    net = model("llama", "sdpa")
+    config = LlamaConfig(**SIZES, sliding_window=3, attn_implementation="sdpa")
+    tokens = tokens_for(EXAMPLE)
+    with torch.no_grad():
+        inputs = packfn.hf_model_inputs(EXAMPLE, config, input_ids=tokens, sliding_window=None)
+        assert_logits_match(net, EXAMPLE, tokens, net(**inputs).logits)
+        windowed = packfn.hf_model_inputs(EXAMPLE, config, input_ids=tokens)["attention_mask"]
+        assert not torch.equal(windowed, inputs["attention_mask"])
 
 
 # ---------------------------------------------------------- compiled steps
@@ -376,6 +409,20 @@ def test_packed_position_ids_equal_nemo_collater(rows, slack):
             ValueError,
             "labels",
         ),
+        (
+            LlamaConfig(),
+            {"attn_implementation": "sdpa", "labels": torch.zeros(2, 16, dtype=torch.uint8)},
+            TypeError,
+            "int32 or int64",
+        ),
+        (
+            LlamaConfig(),
+            {"attn_implementation": "sdpa", "input_ids": torch.zeros(2, 16)},
+            TypeError,
+            "input_ids must be an integer",
+        ),
+        (LlamaConfig(), {"attn_implementation": "eager", "dtype": torch.int64}, TypeError, "floating"),
+        (LlamaConfig(), {"attn_implementation": "sdpa", "sliding_window": 0}, ValueError, "sliding_window"),
     ],
 )
 def test_hf_model_inputs_errors(config, kwargs, error, message):
