@@ -201,8 +201,20 @@ def shard_packed_batch(
     _check_tokens("labels", labels, shape)
     if loss_mask is not None:
         _check_tokens("loss_mask", loss_mask, shape)
-    if seq_lens.ndim == 2 and seq_lens.shape[0] != shape[0]:
-        raise ValueError(f"seq_lens must have batch {shape[0]} rows, got {tuple(seq_lens.shape)}")
+    if shape[1] == 0:
+        raise ValueError("input_ids must have at least one column")
+    if not isinstance(seq_lens, torch.Tensor):
+        raise TypeError(f"seq_lens must be a torch.Tensor, got {type(seq_lens).__name__}")
+    rows = seq_lens.shape[0] if seq_lens.ndim == 2 else 1
+    if seq_lens.ndim not in (1, 2) or rows != shape[0]:
+        raise ValueError(
+            f"seq_lens must be [batch, documents] with batch = {shape[0]} rows (or [documents] for one row), "
+            f"got {tuple(seq_lens.shape)}"
+        )
+    if isinstance(padding_token_id, bool) or not isinstance(padding_token_id, int):
+        raise TypeError(f"padding_token_id must be an int, got {type(padding_token_id).__name__}")
+    if labels.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"labels must be an int32 or int64 tensor (padding is labelled -100), got {labels.dtype}")
     layout = aligned_layout(seq_lens, seq_lens_padded, sequence_length=shape[1], alignment=alignment, length=budget)
     local = budget // world
     columns = slice(rank * local, (rank + 1) * local)
@@ -392,15 +404,21 @@ _MAX_AXES = 8
 
 
 def _describe(tensor: torch.Tensor) -> list[int]:
+    """Rank, dtype code, ``requires_grad`` and the first ``_MAX_AXES`` sizes (-1 past the rank)."""
     code = _DTYPES.index(tensor.dtype) if tensor.dtype in _DTYPES else len(_DTYPES)
-    shape = list(tensor.shape) + [-1] * (_MAX_AXES - tensor.ndim)
+    shape = (list(tensor.shape) + [-1] * _MAX_AXES)[:_MAX_AXES]
     return [tensor.ndim, code, int(tensor.requires_grad), *shape]
 
 
 def _spoken(row: list[int]) -> str:
     ndim, code, grad, *shape = row
     dtype = _DTYPES[code] if code < len(_DTYPES) else "another dtype"
-    return f"{tuple(shape[:ndim])} {dtype}{' requiring grad' if grad else ''}"
+    sizes = f"{ndim} axes" if ndim > _MAX_AXES else str(tuple(shape[:ndim]))
+    return f"{sizes} {dtype}{' requiring grad' if grad else ''}"
+
+
+def _gatherable(ndim: int | torch.Tensor) -> bool | torch.Tensor:
+    return (ndim >= 2) & (ndim <= _MAX_AXES)
 
 
 def _check_same_shapes(tensor: torch.Tensor, group: dist.ProcessGroup) -> None:
@@ -412,21 +430,30 @@ def _check_same_shapes(tensor: torch.Tensor, group: dist.ProcessGroup) -> None:
     garbage. So each eager gather first all-gathers a fixed-size descriptor
     (11 ints) and every rank raises the same error on a mismatch. Under
     torch.compile the shapes are those the graph was traced with; the check
-    is one sync-free assert on the gathered descriptors instead.
+    is one sync-free assert on the gathered descriptors instead. A rank
+    whose tensor has too few or too many axes still sends its descriptor,
+    so every rank raises together rather than one raising while the others
+    wait in the gather (or pair it with a later call).
     """
-    if tensor.ndim > _MAX_AXES:
-        raise ValueError(f"gather_sequence takes at most {_MAX_AXES} axes, got {tensor.ndim}")
     mine = torch.tensor(_describe(tensor), dtype=torch.int64, device=tensor.device)
     world = dist.get_world_size(group)
     everyone = _wait(_all_gather(mine, 0, group)).view(world, -1)
     if torch.compiler.is_compiling():
         torch._assert_async(
-            (everyone == mine).all(), "gather_sequence: shards differ in shape, dtype or requires_grad across ranks"
+            (everyone == mine).all() & _gatherable(everyone[:, 0]).all(),
+            "gather_sequence: shards differ in shape, dtype or requires_grad across ranks, "
+            f"or have fewer than 2 or more than {_MAX_AXES} axes",
         )
+        if not _gatherable(tensor.ndim):
+            raise ValueError(f"tensor must have 2 to {_MAX_AXES} axes [batch, local_sequence, ...], got {tensor.ndim}")
         return
     rows = everyone.tolist()
+    shapes = ", ".join(f"rank {rank}: {_spoken(row)}" for rank, row in enumerate(rows))
+    if not all(_gatherable(row[0]) for row in rows):
+        raise ValueError(
+            f"gather_sequence takes tensors of 2 to {_MAX_AXES} axes [batch, local_sequence, ...]; got {shapes}"
+        )
     if any(row != rows[0] for row in rows):
-        shapes = ", ".join(f"rank {rank}: {_spoken(row)}" for rank, row in enumerate(rows))
         raise ValueError(f"gather_sequence needs the same shape, dtype and requires_grad on every rank; got {shapes}")
 
 
@@ -458,10 +485,12 @@ def gather_sequence(
         or a group of one rank, ``tensor`` itself (aliased, as upstream).
 
     Raises:
-        TypeError: ``tensor`` is not a tensor.
-        ValueError: ``tensor`` has fewer than two axes (or more than eight,
-            with ``check_shapes``); (every rank, with ``check_shapes``) shards
-            that differ in shape, dtype or ``requires_grad`` across ranks.
+        TypeError: ``tensor`` is not a tensor (on that rank only: it has no
+            device to send a descriptor from).
+        ValueError: (every rank, with ``check_shapes``) a shard with fewer
+            than two or more than eight axes on any rank, or shards that
+            differ in shape, dtype or ``requires_grad`` across ranks;
+            without ``check_shapes``, fewer than two axes on this rank.
             Under torch.compile that check is a sync-free assert
             (``RuntimeError``) with the same meaning, raised before the gather.
     """
@@ -469,10 +498,10 @@ def gather_sequence(
         raise TypeError(f"tensor must be a torch.Tensor, got {type(tensor).__name__}")
     if group is None or dist.get_world_size(group) == 1:
         return tensor
+    if check_shapes:
+        _check_same_shapes(tensor, group)  # raises on every rank, a bad rank of axes included
     if tensor.ndim < 2:
         raise ValueError(f"tensor must have shape [batch, local_sequence, ...], got {tuple(tensor.shape)}")
-    if check_shapes:
-        _check_same_shapes(tensor, group)
     # Gathered along axis 0 ([world * batch, local, ...]) and moved into place
     # here: torch 2.11's Dynamo does not trace the functional collectives'
     # own regrouping for another axis (``_maybe_view_chunk_cat`` is skipped).

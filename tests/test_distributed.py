@@ -363,6 +363,13 @@ def check_gather_of_different_shapes_raises_on_every_rank(rank, world):
         gather_sequence(shard, group)
     with pytest.raises(ValueError, match=r"requires_grad"):
         gather_sequence(torch.zeros(2, 4).requires_grad_(rank == 0), group)
+    # A tensor of one axis on one rank only: every rank raises (none waits in the gather), and the
+    # next gather is not paired with the failed one.
+    with pytest.raises(ValueError, match=r"2 to 8 axes.*rank 0: \(6,\)"):
+        gather_sequence(torch.zeros(6) if rank == 0 else torch.zeros(2, 3), group)
+    with pytest.raises(ValueError, match=r"2 to 8 axes.*9 axes"):
+        gather_sequence(torch.zeros((1,) * (9 if rank == 0 else 2)), group)
+    assert torch.equal(gather_sequence(torch.full((1, 1), float(rank)), group), torch.arange(float(world)).view(1, -1))
     # Compiled, the check is a sync-free assert that fires before the gather, on every rank.
     torch._dynamo.reset()
     compiled = torch.compile(lambda t: gather_sequence(t, group) * 2, fullgraph=True, backend="aot_eager")

@@ -187,7 +187,16 @@ TOKENS = torch.arange(5)[None]
         ({"input_ids": TOKENS[0]}, ValueError, r"input_ids must be a \[batch, sequence\] tensor"),
         ({"labels": TOKENS[:, :4]}, ValueError, r"labels must have shape \[batch, sequence\] = \[1, 5\]"),
         ({"loss_mask": [1, 1]}, TypeError, "loss_mask must be a torch.Tensor"),
-        ({"seq_lens": torch.tensor([[3, 2], [1, 1]])}, ValueError, "seq_lens must have batch 1 rows"),
+        ({"seq_lens": torch.tensor([[3, 2], [1, 1]])}, ValueError, r"batch = 1 rows .*got \(2, 2\)"),
+        (
+            {"seq_lens": torch.tensor([3, 2]), "input_ids": TOKENS.expand(2, 5), "labels": TOKENS.expand(2, 5)},
+            ValueError,
+            r"batch = 2 rows \(or \[documents\] for one row\), got \(2,\)",
+        ),
+        ({"seq_lens": [[3, 2]]}, TypeError, "seq_lens must be a torch.Tensor"),
+        ({"input_ids": TOKENS[:, :0], "labels": TOKENS[:, :0]}, ValueError, "at least one column"),
+        ({"padding_token_id": None}, TypeError, "padding_token_id must be an int"),
+        ({"labels": TOKENS.to(torch.uint8)}, TypeError, "labels must be an int32 or int64"),
     ],
 )
 def test_shard_packed_batch_argument_errors(kwargs, error, message):
