@@ -12,7 +12,9 @@ Drop-in API (:func:`get_seqlens_in_batch`, :func:`get_unpad_data`,
 :func:`flatten_packed_sequence_metadata`): exactly the outputs of
 ``nemo_automodel`` 0.7.0, built as the static op followed by one trim to the
 data-dependent size (a host sync in eager, an unbacked size under
-``torch.compile`` and ``torch.export``, never a graph break).
+``torch.compile`` and ``torch.export``, never a graph break); on a CPU
+tensor in eager, two of them work at exact sizes from the start (NOTE
+[Exact sizes on the CPU]).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from __future__ import annotations
 from typing import NamedTuple, TypedDict
 
 import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from packfn._checks import check_mask, check_positive_int
 from packfn._ops import metadata as _ops
@@ -284,6 +287,55 @@ def _dropin_rules(
     return torch.cat(flags), rules
 
 
+# NOTE [Exact sizes on the CPU]
+# The drop-ins are the static op at full capacity followed by one trim: one
+# host read, which on an accelerator is the one sync they may make. A CPU
+# tensor in eager has no device to synchronize with, so there
+# get_unpad_data and get_seqlens_in_batch work at exact sizes from the
+# start: ``nonzero`` finds the valid tokens, a comparison of neighbouring
+# valid ids (and rows) finds the documents, and a second ``nonzero`` their
+# starts: about half the aten calls of the static kernel, on outputs of the
+# real size. The rules and messages are the same (``checked_ints``), and
+# tests/test_metadata.py holds both paths equal on generated masks, broken
+# ones included. Under torch.compile, torch.export, a dispatch mode or on
+# another device the static path runs.
+
+
+def _exact_on_cpu(attention_mask: torch.Tensor) -> bool:
+    return (
+        attention_mask.device.type == "cpu"
+        and not torch.compiler.is_compiling()
+        and _get_current_dispatch_mode() is None
+        and type(attention_mask) is torch.Tensor
+    )
+
+
+class _Exact(NamedTuple):
+    indices: torch.Tensor  # int64 [tokens]: valid positions of the flattened mask
+    cu_seqlens: torch.Tensor  # int32 [documents + 1]
+    seqlens: torch.Tensor  # int32 [documents]
+    broken: torch.Tensor  # bool [3]: mask_rules (D = sequence: the third never breaks)
+
+
+def _exact_varlen(attention_mask: torch.Tensor) -> _Exact:
+    """The varlen metadata of a CPU mask at exact sizes (NOTE [Exact sizes on the CPU])."""
+    sequence = attention_mask.shape[1]
+    flat = attention_mask.reshape(-1)
+    indices = flat.nonzero().squeeze(1)
+    ids = flat.index_select(0, indices)
+    # A shift where the row length is a power of two (an int64 division costs ten times more).
+    shift = sequence.bit_length() - 1
+    rows = indices >> shift if sequence == 1 << shift else indices.div(sequence, rounding_mode="floor")
+    same_row = rows[1:] == rows[:-1]
+    later = ids[1:] != ids[:-1]
+    starts = torch.cat([indices.new_zeros(min(1, indices.numel())), (later | ~same_row).nonzero().squeeze(1) + 1])
+    cu_seqlens = torch.cat([starts, starts.new_full((1,), indices.numel())]).to(torch.int32)
+    negative = (ids < 0).any() if ids.dtype.is_signed else same_row.new_zeros(())
+    decreasing = (same_row & (ids[1:] < ids[:-1])).any()
+    broken = torch.stack([negative, decreasing, same_row.new_zeros(())])
+    return _Exact(indices, cu_seqlens, cu_seqlens.diff(), broken)
+
+
 def get_seqlens_in_batch(attention_mask: torch.Tensor) -> torch.Tensor:
     """Return document lengths in batch-major, document-id order (drop-in).
 
@@ -305,9 +357,16 @@ def get_seqlens_in_batch(attention_mask: torch.Tensor) -> torch.Tensor:
         raise ValueError("get_seqlens_in_batch needs integer document ids, got a bool mask; use get_unpad_data")
     _check_dropin_mask(attention_mask)
     batch, sequence = attention_mask.shape
+    limit = _narrow_limit(attention_mask.dtype)
+    if _exact_on_cpu(attention_mask):
+        exact = _exact_varlen(attention_mask)
+        longest = exact.seqlens.max() if exact.seqlens.numel() else exact.seqlens.new_zeros(())
+        overflow = None if limit is None else longest > limit
+        flags, rules = _dropin_rules(attention_mask, exact.broken, num_tokens=None, overflow=overflow)
+        checked_ints([], [], flags, rules)
+        return exact.seqlens.to(attention_mask.dtype)
     parsed = _ops.varlen_metadata(attention_mask, sequence)
     # An all-padding mask is no error here: upstream returns no lengths.
-    limit = _narrow_limit(attention_mask.dtype)
     overflow = None if limit is None else parsed.max_seqlen > limit
     flags, rules = _dropin_rules(attention_mask, parsed.broken, num_tokens=None, overflow=overflow)
     (documents,) = checked_ints([parsed.num_documents], [batch * sequence], flags, rules)
@@ -338,9 +397,17 @@ def get_unpad_data(attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     """
     _check_dropin_mask(attention_mask)
     batch, sequence = attention_mask.shape
+    limit = _narrow_limit(attention_mask.dtype)
+    if _exact_on_cpu(attention_mask):
+        exact = _exact_varlen(attention_mask)
+        tokens = exact.indices.new_full((), exact.indices.numel())
+        longest = exact.seqlens.max() if exact.seqlens.numel() else exact.seqlens.new_zeros(())
+        overflow = None if limit is None else (longest > limit) & (attention_mask.max() > 1)
+        flags, rules = _dropin_rules(attention_mask, exact.broken, num_tokens=tokens, overflow=overflow)
+        (longest,) = checked_ints([longest], [sequence], flags, rules)
+        return exact.indices, exact.cu_seqlens, longest
     parsed = _ops.varlen_metadata(attention_mask, sequence)
     overflow = None
-    limit = _narrow_limit(attention_mask.dtype)
     if limit is not None:
         overflow = (parsed.max_seqlen > limit) & (attention_mask.max() > 1)
     flags, rules = _dropin_rules(attention_mask, parsed.broken, num_tokens=parsed.num_tokens, overflow=overflow)

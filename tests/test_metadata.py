@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from unittest import mock
 
 import pytest
 import torch
@@ -27,6 +28,11 @@ def assert_same_outcome(ours, theirs) -> None:
         assert ours[1:] == theirs[1:]
 
 
+def static_path_on_cpu():
+    """A context in which the drop-ins take the static path on the CPU too (NOTE [Exact sizes on the CPU])."""
+    return mock.patch("packfn.metadata._exact_on_cpu", lambda mask: False)
+
+
 def fits_dtype(mask: torch.Tensor) -> bool:
     """Whether every document length fits the mask's dtype (upstream wraps silently otherwise)."""
     if mask.dtype == torch.bool:
@@ -36,6 +42,30 @@ def fits_dtype(mask: torch.Tensor) -> bool:
 
 
 # ------------------------------------------------------------------ drop-ins
+
+
+@st.composite
+def masks_broken_or_not(draw) -> torch.Tensor:
+    """A packing mask, or one with a value changed (negative or decreasing ids, narrow-dtype overflow)."""
+    mask = draw(packing_masks(max_batch=4, max_sequence=300))
+    if draw(st.booleans()) and mask.dtype != torch.bool:
+        flat = mask.reshape(-1).clone()
+        position = draw(st.integers(0, flat.numel() - 1))
+        low = -3 if mask.dtype.is_signed else 0
+        flat[position] = draw(st.integers(low, 3))
+        mask = flat.view(mask.shape)
+    return mask
+
+
+@pytest.mark.parametrize("dropin", [packfn.get_unpad_data, packfn.get_seqlens_in_batch])
+@SETTINGS
+@given(mask=masks_broken_or_not())
+def test_exact_cpu_path_equals_the_static_path(dropin, mask):
+    """NOTE [Exact sizes on the CPU]: both eager paths give the same results and the same errors."""
+    exact = outcome(dropin, mask)
+    with static_path_on_cpu():
+        static = outcome(dropin, mask)
+    assert_same_outcome(exact, static)
 
 
 @SETTINGS
