@@ -295,7 +295,8 @@ def _dropin_rules(
 # start: ``nonzero`` finds the valid tokens, a comparison of neighbouring
 # valid ids (and rows) finds the documents, and a second ``nonzero`` their
 # starts: about half the aten calls of the static kernel, on outputs of the
-# real size. The rules and messages are the same (``checked_ints``), and
+# real size, which the drop-ins then trim as they trim the static op's (a
+# no-op). The rules and messages are the same (``checked_ints``), and
 # tests/test_metadata.py holds both paths equal on generated masks, broken
 # ones included. Under torch.compile, torch.export, a dispatch mode or on
 # another device the static path runs.
@@ -310,15 +311,13 @@ def _exact_on_cpu(attention_mask: torch.Tensor) -> bool:
     )
 
 
-class _Exact(NamedTuple):
-    indices: torch.Tensor  # int64 [tokens]: valid positions of the flattened mask
-    cu_seqlens: torch.Tensor  # int32 [documents + 1]
-    seqlens: torch.Tensor  # int32 [documents]
-    broken: torch.Tensor  # bool [3]: mask_rules (D = sequence: the third never breaks)
+def _exact_varlen(attention_mask: torch.Tensor) -> _ops.VarlenOutputs:
+    """``packfn::varlen_metadata``'s outputs for a CPU mask, at exact sizes (NOTE [Exact sizes on the CPU]).
 
-
-def _exact_varlen(attention_mask: torch.Tensor) -> _Exact:
-    """The varlen metadata of a CPU mask at exact sizes (NOTE [Exact sizes on the CPU])."""
+    ``indices`` holds the valid positions only, ``cu_seqlens`` / ``seqlens``
+    the real documents only; trimming them to their counts changes nothing.
+    The third rule (too many documents) never breaks: ``D = sequence``.
+    """
     sequence = attention_mask.shape[1]
     flat = attention_mask.reshape(-1)
     indices = flat.nonzero().squeeze(1)
@@ -330,10 +329,25 @@ def _exact_varlen(attention_mask: torch.Tensor) -> _Exact:
     later = ids[1:] != ids[:-1]
     starts = torch.cat([indices.new_zeros(min(1, indices.numel())), (later | ~same_row).nonzero().squeeze(1) + 1])
     cu_seqlens = torch.cat([starts, starts.new_full((1,), indices.numel())]).to(torch.int32)
+    seqlens = cu_seqlens.diff()
     negative = (ids < 0).any() if ids.dtype.is_signed else same_row.new_zeros(())
     decreasing = (same_row & (ids[1:] < ids[:-1])).any()
-    broken = torch.stack([negative, decreasing, same_row.new_zeros(())])
-    return _Exact(indices, cu_seqlens, cu_seqlens.diff(), broken)
+    return _ops.VarlenOutputs(
+        indices=indices,
+        cu_seqlens=cu_seqlens,
+        seqlens=seqlens,
+        max_seqlen=seqlens.max() if seqlens.numel() else seqlens.new_zeros(()),
+        num_tokens=indices.new_full((), indices.numel()),
+        num_documents=indices.new_full((), seqlens.numel()),
+        broken=torch.stack([negative, decreasing, same_row.new_zeros(())]),
+    )
+
+
+def _varlen_for_dropin(attention_mask: torch.Tensor) -> _ops.VarlenOutputs:
+    """What a drop-in trims: exact sizes on a CPU tensor in eager, else the static op (``D = sequence``)."""
+    if _exact_on_cpu(attention_mask):
+        return _exact_varlen(attention_mask)
+    return _ops.varlen_metadata(attention_mask, attention_mask.shape[1])
 
 
 def get_seqlens_in_batch(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -358,14 +372,7 @@ def get_seqlens_in_batch(attention_mask: torch.Tensor) -> torch.Tensor:
     _check_dropin_mask(attention_mask)
     batch, sequence = attention_mask.shape
     limit = _narrow_limit(attention_mask.dtype)
-    if _exact_on_cpu(attention_mask):
-        exact = _exact_varlen(attention_mask)
-        longest = exact.seqlens.max() if exact.seqlens.numel() else exact.seqlens.new_zeros(())
-        overflow = None if limit is None else longest > limit
-        flags, rules = _dropin_rules(attention_mask, exact.broken, num_tokens=None, overflow=overflow)
-        checked_ints([], [], flags, rules)
-        return exact.seqlens.to(attention_mask.dtype)
-    parsed = _ops.varlen_metadata(attention_mask, sequence)
+    parsed = _varlen_for_dropin(attention_mask)
     # An all-padding mask is no error here: upstream returns no lengths.
     overflow = None if limit is None else parsed.max_seqlen > limit
     flags, rules = _dropin_rules(attention_mask, parsed.broken, num_tokens=None, overflow=overflow)
@@ -398,15 +405,7 @@ def get_unpad_data(attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     _check_dropin_mask(attention_mask)
     batch, sequence = attention_mask.shape
     limit = _narrow_limit(attention_mask.dtype)
-    if _exact_on_cpu(attention_mask):
-        exact = _exact_varlen(attention_mask)
-        tokens = exact.indices.new_full((), exact.indices.numel())
-        longest = exact.seqlens.max() if exact.seqlens.numel() else exact.seqlens.new_zeros(())
-        overflow = None if limit is None else (longest > limit) & (attention_mask.max() > 1)
-        flags, rules = _dropin_rules(attention_mask, exact.broken, num_tokens=tokens, overflow=overflow)
-        (longest,) = checked_ints([longest], [sequence], flags, rules)
-        return exact.indices, exact.cu_seqlens, longest
-    parsed = _ops.varlen_metadata(attention_mask, sequence)
+    parsed = _varlen_for_dropin(attention_mask)
     overflow = None
     if limit is not None:
         overflow = (parsed.max_seqlen > limit) & (attention_mask.max() > 1)
