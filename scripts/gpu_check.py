@@ -21,6 +21,9 @@ seconds is skipped and says so in the summary):
 
 Writes a JSON summary (``--json``). Uses no API newer than torch 2.11.
 Without CUDA it parses its arguments and exits with a message (status 2).
+``--device cpu`` walks every section on the CPU at whatever sizes are given
+(wall-clock timings, C++ kernels, no sync check): the tests use it so that
+the script cannot rot between the sessions that are lent a GPU.
 
     python scripts/gpu_check.py --json gpu_check.json
     python scripts/gpu_check.py --sequences 4096 --sections codegen sync
@@ -71,6 +74,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--attention", choices=("sdpa", "flex"), default="sdpa", help="attention of the model")
     parser.add_argument("--budget", type=float, default=270.0, help="seconds; later sections are skipped past it")
     parser.add_argument("--json", type=Path, default=Path("bench_results/gpu_check.json"))
+    parser.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke run of the script itself")
     arguments = parser.parse_args(argv)
     for name in ("batch", "hidden", "alignment", "repeats", "mean", "model_steps"):
         if getattr(arguments, name) < 1:
@@ -81,10 +85,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 # ------------------------------------------------------------------ helpers
 
 
-def _cuda_median_ms(function: Callable[[], object], repeats: int) -> float:
-    """Median milliseconds of ``function`` by CUDA events, after three warm-up calls."""
+def _synchronize(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _median_ms(function: Callable[[], object], repeats: int, device: str) -> float:
+    """Median milliseconds of ``function`` after three warm-up calls: CUDA events on CUDA, else wall clock."""
     for _ in range(3):
         function()
+    if device != "cuda":
+        times = []
+        for _ in range(repeats):
+            begin = time.perf_counter()
+            function()
+            times.append((time.perf_counter() - begin) * 1e3)
+        return statistics.median(times)
     torch.cuda.synchronize()
     times = []
     for _ in range(repeats):
@@ -97,11 +113,11 @@ def _cuda_median_ms(function: Callable[[], object], repeats: int) -> float:
     return statistics.median(times)
 
 
-_LAUNCH = re.compile(r"\b(triton_\w+)\.run\(")
+_LAUNCH = re.compile(r"\b(triton_\w+)\.run\(|\b(cpp_fused_\w+)\(")
 
 
 def count_kernels(codes: list[str]) -> dict[str, object]:
-    """Triton definitions and launches, fallbacks and packfn calls in Inductor's output code."""
+    """Triton definitions and kernel launches (C++ ones on the CPU), fallbacks and packfn calls in Inductor's code."""
     text = "\n".join(codes)
     return {
         "triton_jit_definitions": text.count("@triton.jit"),
@@ -170,6 +186,8 @@ def section_codegen(arguments, inputs_by_sequence, mask_inputs) -> dict:
 
 
 def section_sync(arguments, inputs_by_sequence, mask_inputs) -> dict:
+    if arguments.device != "cuda":
+        return {"skipped": "torch.cuda.set_sync_debug_mode needs CUDA"}
     result = {}
     inputs = inputs_by_sequence[max(inputs_by_sequence)]
     ops = static_ops(inputs, arguments.alignment)
@@ -206,13 +224,16 @@ def _bandwidth(arguments, sequence: int, inputs) -> dict:
     # Bytes moved: every output row written, every real token read once.
     real = int((layout.source_indices >= 0).sum())
     measured = {
-        "clone": (_cuda_median_ms(values.clone, arguments.repeats), 2 * values.numel() * values.element_size()),
+        "clone": (
+            _median_ms(values.clone, arguments.repeats, arguments.device),
+            2 * values.numel() * values.element_size(),
+        ),
         "pack": (
-            _cuda_median_ms(lambda: pack(values), arguments.repeats),
+            _median_ms(lambda: pack(values), arguments.repeats, arguments.device),
             (values.shape[0] * length + real) * row_bytes,
         ),
         "restore": (
-            _cuda_median_ms(lambda: restore(packed), arguments.repeats),
+            _median_ms(lambda: restore(packed), arguments.repeats, arguments.device),
             (values.shape[0] * sequence + real) * row_bytes,
         ),
     }
@@ -273,8 +294,8 @@ def section_upstream(arguments, inputs_by_sequence, mask_inputs) -> dict:
         for label, (name, reference) in _upstream_pairs(arguments, inputs).items():
             function, args = ops[name]
             compiled = torch.compile(function, fullgraph=True, dynamic=False)
-            ours = _cuda_median_ms(lambda compiled=compiled, args=args: compiled(*args), arguments.repeats)
-            theirs = _cuda_median_ms(reference, arguments.repeats)
+            ours = _median_ms(lambda compiled=compiled, args=args: compiled(*args), arguments.repeats, arguments.device)
+            theirs = _median_ms(reference, arguments.repeats, arguments.device)
             result[f"{label}@{sequence}"] = {
                 "packfn_compiled_ms": ours,
                 "upstream_eager_ms": theirs,
@@ -307,7 +328,7 @@ def section_model(arguments, inputs_by_sequence, mask_inputs) -> dict:
         vocab=256,
         alignment=16,
         max_documents=MODEL_MAX_DOCUMENTS,
-        device="cuda",
+        device=arguments.device,
     )
     config = DecoderConfig(
         sequence=arguments.model_sequence,
@@ -320,25 +341,25 @@ def section_model(arguments, inputs_by_sequence, mask_inputs) -> dict:
         attention=arguments.attention,
     )
     torch.manual_seed(0)
-    model = PackedDecoder(config).cuda()
+    model = PackedDecoder(config).to(arguments.device)
     reference = copy.deepcopy(model)
     counters.clear()
     compiled = torch.compile(packed_loss, mode="reduce-overhead", fullgraph=True)
 
     def train(model, loss_function, mark_steps: bool) -> tuple[list[float], list[float]]:
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, capturable=True)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, capturable=arguments.device == "cuda")
         seconds, losses = [], []
         for batch in batches:
             if mark_steps:
                 torch.compiler.cudagraph_mark_step_begin()
-            torch.cuda.synchronize()
+            _synchronize(arguments.device)
             begin = time.perf_counter()
             loss = loss_function(model, batch.input_ids, batch.document_ids, batch.labels)
             loss.backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             losses.append(loss.item())
-            torch.cuda.synchronize()
+            _synchronize(arguments.device)
             seconds.append(time.perf_counter() - begin)
         return seconds, losses
 
@@ -370,7 +391,7 @@ def section_model(arguments, inputs_by_sequence, mask_inputs) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     arguments = parse_args(argv)
-    if not torch.cuda.is_available():
+    if arguments.device == "cuda" and not torch.cuda.is_available():
         print(
             "gpu_check: CUDA is not available (torch "
             f"{torch.__version__}); nothing to check on this machine. Run it where a GPU is lent.",
@@ -381,14 +402,16 @@ def main(argv: list[str] | None = None) -> int:
 
     started = time.perf_counter()
     inputs_by_sequence = {
-        sequence: make_inputs(sequence, arguments.mean, batch=arguments.batch, device="cuda", hidden=arguments.hidden)
+        sequence: make_inputs(
+            sequence, arguments.mean, batch=arguments.batch, device=arguments.device, hidden=arguments.hidden
+        )
         for sequence in arguments.sequences
     }
-    mask_inputs = make_inputs(arguments.mask_sequence, arguments.mean, batch=arguments.batch, device="cuda")
+    mask_inputs = make_inputs(arguments.mask_sequence, arguments.mean, batch=arguments.batch, device=arguments.device)
     summary = {
         "torch": torch.__version__,
         "python": platform.python_version(),
-        "device": torch.cuda.get_device_name(),
+        "device": torch.cuda.get_device_name() if arguments.device == "cuda" else platform.processor() or "cpu",
         "arguments": {key: str(value) for key, value in vars(arguments).items()},
         "sections": {},
     }
