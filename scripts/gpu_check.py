@@ -8,14 +8,19 @@ seconds is skipped and says so in the summary):
    definitions (``@triton.jit``) and launches (``<kernel>.run(``) in the
    output code, aten / extern fallbacks, and no call back into ``packfn``.
    Target: at most 2 kernels per static metadata op.
-2. ``sync``: ``torch.cuda.set_sync_debug_mode("error")`` around the static
+2. ``compiled``: every static op compiled with static and with dynamic
+   shapes at two sequence lengths (``--compiled-sequences``, batch 3), and the
+   backward of ``pack``, ``restore`` and ``unpad``, each against eager on the
+   device: Inductor's Triton code paths are not the CPU's C++ ones (NOTE
+   [One flat search] in ``packfn/_ops/metadata.py``).
+3. ``sync``: ``torch.cuda.set_sync_debug_mode("error")`` around the static
    path, eager and compiled: any host sync raises and is recorded.
-3. ``bandwidth``: compiled ``pack`` / ``restore`` against ``values.clone()``
+4. ``bandwidth``: compiled ``pack`` / ``restore`` against ``values.clone()``
    (``[batch, sequence, hidden]`` float32), GB/s of bytes read and written.
    Target: pack at 80% of copy bandwidth.
-4. ``upstream``: the compiled static ops against NeMo AutoModel's eager
+5. ``upstream``: the compiled static ops against NeMo AutoModel's eager
    helpers on the same inputs (CUDA-event medians).
-5. ``model``: the packed decoder of ``scripts/main_job.py`` trained a few
+6. ``model``: the packed decoder of ``scripts/main_job.py`` trained a few
    steps under ``torch.compile(mode="reduce-overhead")`` (CUDA graphs), with
    CUDA-graph skips counted, against the same model driven by upstream eagerly.
 
@@ -32,6 +37,7 @@ the script cannot rot between the sessions that are lent a GPU.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import platform
@@ -49,7 +55,7 @@ if str(_REPO) not in sys.path:
 
 import torch  # noqa: E402
 
-SECTIONS = ("codegen", "sync", "bandwidth", "upstream", "model")
+SECTIONS = ("codegen", "compiled", "sync", "bandwidth", "upstream", "model")
 METADATA_OPS = ("varlen_metadata", "batch_metadata", "flatten_metadata")
 MODEL_MAX_DOCUMENTS = 16
 KERNEL_TARGET = 2
@@ -66,6 +72,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--alignment", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=20, help="timed runs per variant")
     parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS))
+    parser.add_argument("--compiled-sequences", type=int, nargs=2, default=[4096, 2944])
     parser.add_argument("--model-sequence", type=int, default=2048)
     parser.add_argument("--model-batch", type=int, default=4)
     parser.add_argument("--model-hidden", type=int, default=256)
@@ -208,6 +215,81 @@ def section_sync(arguments, inputs_by_sequence, mask_inputs) -> dict:
             torch.cuda.synchronize()
             result[f"{mode}:{name}"] = outcome
             print(f"sync     {mode:<9} {name:<26} {outcome}", flush=True)
+    return result
+
+
+def _leaves(value) -> list:
+    """Tensors and plain values of ``value``, looking inside dataclasses (layouts) and pytrees."""
+    if dataclasses.is_dataclass(value):
+        return _leaves([getattr(value, field.name) for field in dataclasses.fields(value)])
+    leaves = torch.utils._pytree.tree_leaves(value)
+    return leaves if leaves == [value] else [leaf for item in leaves for leaf in _leaves(item)]
+
+
+def _same(got, want) -> bool:
+    got, want = _leaves(got), _leaves(want)
+    return len(got) == len(want) and all(
+        torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b for a, b in zip(got, want, strict=True)
+    )
+
+
+def _gradient_of(function, values: torch.Tensor, args: tuple) -> torch.Tensor:
+    values = values.detach().requires_grad_(True)
+    out = function(*args, values)
+    weights = torch.arange(out.numel(), device=out.device, dtype=out.dtype).reshape(out.shape).sin()
+    (out * weights).sum().backward()
+    return values.grad
+
+
+def section_compiled(arguments, inputs_by_sequence, mask_inputs) -> dict:
+    import packfn
+    from packfn.attention import block_causal_mask, packed_position_ids, unpad
+    from packfn.layout import aligned_layout, aligned_length
+    from scripts.benchmarks.common import make_inputs
+
+    result = {}
+    sizes = [
+        make_inputs(sequence, arguments.mean, batch=3, device=arguments.device, hidden=64)
+        for sequence in arguments.compiled_sequences
+    ]
+    for dynamic in (False, True):
+        for inputs in sizes:
+            ops = static_ops(inputs, arguments.alignment)
+            ops["block_causal_mask"] = (block_causal_mask, (inputs.document_ids,))
+            ops["position_ids"] = (packed_position_ids, (inputs.document_ids,))
+            for name, (function, args) in ops.items():
+                key = f"{name}@{inputs.sequence}:{'dynamic' if dynamic else 'static'}"
+                try:
+                    runner = torch.compile(function, fullgraph=True, dynamic=dynamic)
+                    result[key] = "ok" if _same(runner(*args), function(*args)) else "MISMATCH"
+                except Exception as error:  # record and go on
+                    result[key] = f"ERROR {type(error).__name__}: {str(error)[:600]}"
+                print(f"compiled {key:<40} {result[key][:200]}", flush=True)
+    # Backward at batch > 1 through the differentiable ops.
+    inputs = sizes[0]
+    layout = aligned_layout(
+        inputs.seq_lens,
+        sequence_length=inputs.sequence,
+        alignment=arguments.alignment,
+        length=aligned_length(inputs.sequence, inputs.seq_lens.shape[1], arguments.alignment),
+    )
+    metadata = packfn.varlen_metadata(inputs.document_ids, max_documents=inputs.max_documents)
+    packed = layout.pack(inputs.values)
+    backward = {
+        "pack": (lambda values: layout.pack(values), inputs.values),
+        "restore": (lambda values: layout.restore(values), packed),
+        "unpad": (lambda values: unpad(values, metadata), inputs.values),
+    }
+    for name, (function, values) in backward.items():
+        key = f"backward:{name}@{inputs.sequence}"
+        try:
+            runner = torch.compile(function, fullgraph=True)
+            same = torch.equal(_gradient_of(runner, values, ()), _gradient_of(function, values, ()))
+            result[key] = "ok" if same else "MISMATCH"
+        except Exception as error:
+            result[key] = f"ERROR {type(error).__name__}: {str(error)[:600]}"
+        print(f"compiled {key:<40} {result[key][:200]}", flush=True)
+    result["all_ok"] = all(value == "ok" for value in result.values())
     return result
 
 
@@ -417,6 +499,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     functions = {
         "codegen": section_codegen,
+        "compiled": section_compiled,
         "sync": section_sync,
         "bandwidth": section_bandwidth,
         "upstream": section_upstream,

@@ -14,15 +14,18 @@ packfn relies on it (``run_decompositions()`` and AOTAutograd).
 
 from __future__ import annotations
 
+import math
 import os
 from unittest import mock
 
 import pytest
 import torch
-from hypothesis import settings
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 from torch._C import DispatchKey
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import ShapeEnv, free_unbacked_symbols
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import packfn
 from packfn._ops import layout as layout_ops
@@ -286,6 +289,59 @@ def test_sizes_fake_gives_bounded_unbacked_sizes(values, bounds):
         assert isinstance(size, torch.SymInt) and free_unbacked_symbols(size), f"{size} is not an unbacked size"
         ranges = shape_env.var_to_range[size.node.expr]
         assert (int(ranges.lower), int(ranges.upper)) == (0, bound), f"{size} ranges over {ranges}, not [0, {bound}]"
+
+
+class _SearchedRows(TorchDispatchMode):
+    """Records the number of dimensions of every ``searchsorted``'s sorted sequence."""
+
+    def __init__(self):
+        super().__init__()
+        self.dims: list[int] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket is torch.ops.aten.searchsorted:
+            self.dims.append(args[0].dim())
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize(("op_name", "args"), list(_cases()))
+def test_decomposition_searches_one_dimension(op_name, args):
+    """NOTE [One flat search]: a row-by-row ``searchsorted`` in a decomposition fails in Inductor's Triton code."""
+    op = getattr(torch.ops.packfn, op_name).default
+    with _SearchedRows() as searched:
+        op.decompose(*args)
+    assert all(dims == 1 for dims in searched.dims), (
+        f"packfn::{op_name}'s decomposition searches sorted sequences of {searched.dims} dimensions: "
+        "search rows through packfn._ops.metadata.search_rows"
+    )
+
+
+SPAN = 41
+"""Entries and queries of the search_rows test lie in ``[0, SPAN)``."""
+
+
+@st.composite
+def searches(draw):
+    """``(sorted_rows [batch, n], queries)``: the queries 1-D (shared by every row) or ``[batch, m]``."""
+    batch, n, m = draw(st.integers(1, 5)), draw(st.integers(0, 12)), draw(st.integers(0, 9))
+    entries = st.integers(0, SPAN - 1)
+    rows = torch.tensor(draw(st.lists(st.lists(entries, min_size=n, max_size=n), min_size=batch, max_size=batch)))
+    shape = (m,) if draw(st.booleans()) else (batch, m)
+    queries = torch.tensor(draw(st.lists(entries, min_size=math.prod(shape), max_size=math.prod(shape))))
+    return rows.reshape(batch, n).sort(-1).values, queries.reshape(shape)
+
+
+@settings(max_examples=200)
+@given(search=searches(), right=st.booleans())
+@example(search=(torch.zeros(1, 0, dtype=torch.int64), torch.tensor([3])), right=False)
+@example(search=(torch.tensor([[0, 40], [40, 40]]), torch.tensor([[40, 0], [0, 40]])), right=True)
+def test_search_rows_is_searchsorted_row_by_row(search, right):
+    sorted_rows, queries = search
+    expected = torch.searchsorted(sorted_rows, queries.expand(sorted_rows.shape[0], -1).contiguous(), right=right)
+    got = metadata_ops.search_rows(sorted_rows, queries, SPAN, right=right)
+    assert torch.equal(got, expected), (sorted_rows, queries, got, expected)
+    first = metadata_ops.search_rows(sorted_rows[0], queries.expand(sorted_rows.shape[0], -1)[0], SPAN, right=right)
+    assert torch.equal(first, expected[0])
 
 
 # ---------------------------------------------------------------- the private hook

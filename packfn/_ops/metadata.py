@@ -145,6 +145,37 @@ def few_slots(max_documents: int) -> bool:
     return isinstance(max_documents, int) and max_documents <= _SEARCH_MAX_DOCUMENTS
 
 
+# NOTE [One flat search]
+# Inductor lowers torch.searchsorted to a Triton binary search whose state
+# takes the shape of the queries. Searched row by row, with queries shared
+# by every row (an arange, broadcast), the queries vary along one axis of a
+# 2-D tiled kernel and the row offset along the other, and the kernel fails
+# to compile: "Loop-carried variable low has initial type <['1', '32'],
+# int64> but is re-assigned to <['8', '32'], int64> in loop" (torch 2.11 to
+# 2.14 on CUDA; seen on an H200 in a compiled training step). search_rows
+# shifts row r's entries and queries by r * span, which keeps the flattened
+# rows sorted and every query inside its own row's range, and searches the
+# flat stream once: there is no row offset to broadcast. A test holds every
+# searchsorted in the ops' decompositions to one dimension.
+
+
+def search_rows(sorted_rows: torch.Tensor, queries: torch.Tensor, span, *, right: bool = False) -> torch.Tensor:
+    """``torch.searchsorted(sorted_rows, queries, right=right)``, row by row, as one 1-D search.
+
+    ``sorted_rows`` is 1-D, or ``[batch, n]`` nondecreasing along each row;
+    ``queries`` is ``[batch, m]`` or 1-D (the same queries for every row).
+    Every entry of both must lie in ``[0, span)``. Returns ``[batch, m]``
+    row-local positions (``[m]`` for 1-D rows). See NOTE [One flat search].
+    """
+    if sorted_rows.dim() == 1:
+        return torch.searchsorted(sorted_rows, queries, right=right)
+    batch, n = sorted_rows.shape
+    rows = torch.arange(batch, device=sorted_rows.device).unsqueeze(1)
+    shift = rows * span
+    found = torch.searchsorted((sorted_rows + shift).flatten(), (queries + shift).flatten(), right=right)
+    return found.view(batch, queries.shape[-1]) - rows * n
+
+
 def _compact(flags: torch.Tensor, values: torch.Tensor, slots: int, *, search: bool) -> torch.Tensor:
     """Along the last axis, move ``values`` at the flagged positions, in order, to the first ``slots`` entries.
 
@@ -157,8 +188,9 @@ def _compact(flags: torch.Tensor, values: torch.Tensor, slots: int, *, search: b
     length = flags.shape[-1]
     seen = flags.cumsum(-1)
     if search:
-        targets = torch.arange(1, slots + 1, device=flags.device).expand(*flags.shape[:-1], slots).contiguous()
-        return values.gather(-1, torch.searchsorted(seen, targets).clamp_max(length - 1))
+        # Counts lie in [0, length] and targets in [1, slots].
+        targets = torch.arange(1, slots + 1, device=flags.device)
+        return values.gather(-1, search_rows(seen, targets, length + slots + 1).clamp_max(length - 1))
     spare = slots + torch.arange(length, device=flags.device)
     target = torch.where(flags, seen - 1, spare)
     buffer = values.new_empty((*flags.shape[:-1], slots + length))
