@@ -24,8 +24,8 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from torch._C import DispatchKey
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import ShapeEnv, free_unbacked_symbols
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import packfn
 from packfn._ops import layout as layout_ops
@@ -291,29 +291,26 @@ def test_sizes_fake_gives_bounded_unbacked_sizes(values, bounds):
         assert (int(ranges.lower), int(ranges.upper)) == (0, bound), f"{size} ranges over {ranges}, not [0, {bound}]"
 
 
-class _SearchedRows(TorchDispatchMode):
-    """Records the number of dimensions of every ``searchsorted``'s sorted sequence."""
-
-    def __init__(self):
-        super().__init__()
-        self.dims: list[int] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.overloadpacket is torch.ops.aten.searchsorted:
-            self.dims.append(args[0].dim())
-        return func(*args, **(kwargs or {}))
+def _searched_sequences(op_name: str, args: tuple) -> list[torch.fx.Node]:
+    """The sorted-sequence argument of every ``searchsorted`` in the op's decomposition, traced to aten."""
+    op = getattr(torch.ops.packfn, op_name).default
+    graph = make_fx(lambda *args: op.decompose(*args))(*args).graph
+    return [node.args[0] for node in graph.nodes if node.target == torch.ops.aten.searchsorted.Tensor]
 
 
 @pytest.mark.parametrize(("op_name", "args"), list(_cases()))
-def test_decomposition_searches_one_dimension(op_name, args):
-    """NOTE [One flat search]: a row-by-row ``searchsorted`` in a decomposition fails in Inductor's Triton code."""
-    op = getattr(torch.ops.packfn, op_name).default
-    with _SearchedRows() as searched:
-        op.decompose(*args)
-    assert all(dims == 1 for dims in searched.dims), (
-        f"packfn::{op_name}'s decomposition searches sorted sequences of {searched.dims} dimensions: "
-        "search rows through packfn._ops.metadata.search_rows"
-    )
+def test_decomposition_searches_computed_1d_sequences(op_name, args):
+    """NOTE [One flat search]: what Inductor's Triton lowering of ``searchsorted`` compiles.
+
+    A sequence of rows fails in a 2-D tiled kernel, and a view of a computed
+    tensor fails the lowering's stride read ("NotImplementedError: View",
+    torch 2.11 on CUDA).
+    """
+    for sequence in _searched_sequences(op_name, args):
+        dims = sequence.meta["val"].dim()
+        assert dims == 1, f"packfn::{op_name} searches a sequence of {dims} dimensions: use search_rows"
+        view = isinstance(sequence.target, torch._ops.OpOverload) and sequence.target.is_view
+        assert not view, f"packfn::{op_name} searches a view ({sequence.target}): compute the sequence in 1-D"
 
 
 SPAN = 41

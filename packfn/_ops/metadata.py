@@ -155,8 +155,12 @@ def few_slots(max_documents: int) -> bool:
 # 2.14 on CUDA; seen on an H200 in a compiled training step). search_rows
 # shifts row r's entries and queries by r * span, which keeps the flattened
 # rows sorted and every query inside its own row's range, and searches the
-# flat stream once: there is no row offset to broadcast. A test holds every
-# searchsorted in the ops' decompositions to one dimension.
+# flat stream once: there is no row offset to broadcast. The flat sequence
+# is computed in 1-D (flattened, then shifted), not a view of a computed
+# 2-D tensor: the lowering reads the sequence's strides, and a view of an
+# unrealized tensor has none ("NotImplementedError: View", torch 2.11).
+# tests/test_fakes.py holds every searchsorted in the ops' decompositions
+# to a computed 1-D sequence.
 
 
 def search_rows(sorted_rows: torch.Tensor, queries: torch.Tensor, span, *, right: bool = False) -> torch.Tensor:
@@ -171,8 +175,10 @@ def search_rows(sorted_rows: torch.Tensor, queries: torch.Tensor, span, *, right
         return torch.searchsorted(sorted_rows, queries, right=right)
     batch, n = sorted_rows.shape
     rows = torch.arange(batch, device=sorted_rows.device).unsqueeze(1)
-    shift = rows * span
-    found = torch.searchsorted((sorted_rows + shift).flatten(), (queries + shift).flatten(), right=right)
+    # Flatten before shifting: the searched sequence must be a computed 1-D
+    # tensor, not a view of one (Inductor's lowering reads its strides).
+    flat = sorted_rows.reshape(-1) + rows.expand(batch, n).reshape(-1) * span
+    found = torch.searchsorted(flat, (queries + rows * span).flatten(), right=right)
     return found.view(batch, queries.shape[-1]) - rows * n
 
 
