@@ -14,7 +14,6 @@ packfn relies on it (``run_decompositions()`` and AOTAutograd).
 
 from __future__ import annotations
 
-import math
 import os
 from unittest import mock
 
@@ -313,32 +312,28 @@ def test_decomposition_searches_computed_1d_sequences(op_name, args):
         assert not view, f"packfn::{op_name} searches a view ({sequence.target}): compute the sequence in 1-D"
 
 
-SPAN = 41
-"""Entries and queries of the search_rows test lie in ``[0, SPAN)``."""
-
-
 @st.composite
-def searches(draw):
-    """``(sorted_rows [batch, n], queries)``: the queries 1-D (shared by every row) or ``[batch, m]``."""
-    batch, n, m = draw(st.integers(1, 5)), draw(st.integers(0, 12)), draw(st.integers(0, 9))
-    entries = st.integers(0, SPAN - 1)
-    rows = torch.tensor(draw(st.lists(st.lists(entries, min_size=n, max_size=n), min_size=batch, max_size=batch)))
-    shape = (m,) if draw(st.booleans()) else (batch, m)
-    queries = torch.tensor(draw(st.lists(entries, min_size=math.prod(shape), max_size=math.prod(shape))))
-    return rows.reshape(batch, n).sort(-1).values, queries.reshape(shape)
+def running_searches(draw):
+    """``(increments [batch, n], queries [m], right)``: increments never negative, queries up to past every total."""
+    batch, n, m = draw(st.integers(1, 5)), draw(st.integers(1, 8)), draw(st.integers(0, 9))
+    rows = draw(st.lists(st.lists(st.integers(0, 6), min_size=n, max_size=n), min_size=batch, max_size=batch))
+    right = draw(st.booleans())
+    queries = draw(st.lists(st.integers(0 if right else 1, 50), min_size=m, max_size=m))
+    return torch.tensor(rows), torch.tensor(queries, dtype=torch.int64), right
 
 
-@settings(max_examples=200)
-@given(search=searches(), right=st.booleans())
-@example(search=(torch.zeros(1, 0, dtype=torch.int64), torch.tensor([3])), right=False)
-@example(search=(torch.tensor([[0, 40], [40, 40]]), torch.tensor([[40, 0], [0, 40]])), right=True)
-def test_search_rows_is_searchsorted_row_by_row(search, right):
-    sorted_rows, queries = search
-    expected = torch.searchsorted(sorted_rows, queries.expand(sorted_rows.shape[0], -1).contiguous(), right=right)
-    got = metadata_ops.search_rows(sorted_rows, queries, SPAN, right=right)
-    assert torch.equal(got, expected), (sorted_rows, queries, got, expected)
-    first = metadata_ops.search_rows(sorted_rows[0], queries.expand(sorted_rows.shape[0], -1)[0], SPAN, right=right)
-    assert torch.equal(first, expected[0])
+@settings(max_examples=300)
+@given(search=running_searches())
+@example(search=(torch.tensor([[0, 0, 0]]), torch.tensor([1, 2]), False))
+@example(search=(torch.tensor([[2, 0], [0, 0], [0, 3]]), torch.tensor([0, 2, 3]), True))
+def test_search_running_sums_is_searchsorted_row_by_row(search):
+    increments, queries, right = search
+    batch, n = increments.shape
+    expected = torch.searchsorted(increments.cumsum(1), queries.expand(batch, -1).contiguous(), right=right)
+    local = metadata_ops.search_running_sums(increments, queries, right=right) - torch.arange(batch).unsqueeze(1) * n
+    inside = expected < n
+    assert torch.equal(local[inside], expected[inside]), (increments, queries, local, expected)
+    assert bool((local[~inside] >= n).all()), (increments, queries, local, expected)
 
 
 # ---------------------------------------------------------------- the private hook

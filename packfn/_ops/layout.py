@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from packfn._ops._registry import Rule, named_value, packfn_op
-from packfn._ops.metadata import search_rows
+from packfn._ops.metadata import search_running_sums
 
 __all__ = ["ABSENT", "AlignedLayoutOutputs", "DocumentTable", "aligned_layout", "layout_rules", "pack", "restore"]
 
@@ -127,16 +127,19 @@ class DocumentTable(NamedTuple):
         return F.pad(self.aligned_bounds[:, -1], (0, 1)).max()
 
 
-def _slots(bounds: torch.Tensor, starts: torch.Tensor, limit) -> torch.Tensor:
-    """``[batch, len(starts)]``: the slot whose span holds each position of ``starts`` (1-d, int64, in ``[0, limit)``).
+def _slots(bounds: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
+    """``[batch, len(starts)]``: the slot whose span holds each position of ``starts`` (1-d, int64, not negative).
 
-    ``bounds`` is ``[batch, documents + 1]`` running starts. Slots of zero
-    width are skipped (the search takes the last start at or before the
-    position); positions at or past the row total get slot ``documents``.
-    Clamping the bounds to ``[-1, limit]`` keeps every comparison with a
-    position, so the search fits :func:`search_rows` with ``span = limit + 2``.
+    ``bounds`` is ``[batch, documents + 1]`` running starts from 0, never
+    decreasing. Slots of zero width are skipped (the search takes the last
+    start at or before the position); positions at or past the row total
+    get slot ``documents``.
     """
-    return search_rows(bounds.clamp(-1, limit) + 1, starts + 1, limit + 2, right=True) - 1
+    batch, width = bounds.shape
+    steps = torch.diff(bounds, dim=1, prepend=bounds[:, :1])  # bounds are these steps' running sums
+    found = search_running_sums(steps, starts, right=True)
+    rows = torch.arange(batch, device=bounds.device).unsqueeze(1)
+    return (found - rows * width).clamp_max(width) - 1
 
 
 def _aligned_layout_fake(
@@ -185,7 +188,7 @@ def aligned_layout(
     # the columns inside a block follow by broadcasting (no per-column search
     # or gather).
     block_starts = torch.arange(0, length, alignment, device=device)
-    slot = _slots(aligned_bounds, block_starts, length)
+    slot = _slots(aligned_bounds, block_starts)
     first = block_starts - aligned_bounds.gather(1, slot)  # position in the document of the block's first column
     remaining = (real.gather(1, slot) - first).unsqueeze(-1)
     within = torch.arange(alignment, device=device)
@@ -199,7 +202,7 @@ def aligned_layout(
     # it is real up to the slot's start plus its real length and moves by
     # the slot's shift from input start to aligned start.
     columns = torch.arange(sequence_length, device=device)
-    slot = _slots(input_bounds, columns, sequence_length)
+    slot = _slots(input_bounds, columns)
     real_ends = F.pad(input_bounds[:, :-1], (0, 1)) + real
     shifts = aligned_bounds - input_bounds
     inside = columns < real_ends.gather(1, slot)

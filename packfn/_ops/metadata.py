@@ -19,6 +19,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 
 from packfn._ops._registry import Rule, named_value, packfn_op
 
@@ -146,40 +147,46 @@ def few_slots(max_documents: int) -> bool:
 
 
 # NOTE [One flat search]
-# Inductor lowers torch.searchsorted to a Triton binary search whose state
-# takes the shape of the queries. Searched row by row, with queries shared
-# by every row (an arange, broadcast), the queries vary along one axis of a
-# 2-D tiled kernel and the row offset along the other, and the kernel fails
-# to compile: "Loop-carried variable low has initial type <['1', '32'],
-# int64> but is re-assigned to <['8', '32'], int64> in loop" (torch 2.11 to
-# 2.14 on CUDA; seen on an H200 in a compiled training step). search_rows
-# shifts row r's entries and queries by r * span, which keeps the flattened
-# rows sorted and every query inside its own row's range, and searches the
-# flat stream once: there is no row offset to broadcast. The flat sequence
-# is computed in 1-D (flattened, then shifted), not a view of a computed
-# 2-D tensor: the lowering reads the sequence's strides, and a view of an
-# unrealized tensor has none ("NotImplementedError: View", torch 2.11).
-# tests/test_fakes.py holds every searchsorted in the ops' decompositions
-# to a computed 1-D sequence.
+# Inductor lowers torch.searchsorted to a Triton binary search, and three
+# forms of a row-by-row search failed to compile on CUDA (torch 2.11, an
+# H200, in compiled training steps and ops):
+# - a [batch, n] sequence with queries shared by every row: in a 2-D tiled
+#   kernel the queries vary along one axis and the row offset along the
+#   other ("Loop-carried variable low has initial type <['1', '32'], int64>
+#   but is re-assigned to <['8', '32'], int64> in loop");
+# - a flat view of a computed [batch, n] tensor: the lowering reads the
+#   sequence's strides, and the view has none ("NotImplementedError: View");
+# - a flat sequence shifted by row * span after a row-wise cumsum: the shift
+#   fuses into the scan kernel, which has no x axis to index the row by
+#   ("list indices must be integers or slices, not NoneType").
+# search_running_sums takes none of them: one cumsum over the flattened rows
+# makes a sorted 1-D sequence in which row r's running sums are raised by
+# the total of the rows before it; each query is raised the same way, and
+# the scan's output is searched as it is. tests/test_fakes.py holds every
+# searchsorted in the ops' decompositions to a 1-D sequence that is a
+# cumsum's output or computed, never a view.
 
 
-def search_rows(sorted_rows: torch.Tensor, queries: torch.Tensor, span, *, right: bool = False) -> torch.Tensor:
-    """``torch.searchsorted(sorted_rows, queries, right=right)``, row by row, as one 1-D search.
+def search_running_sums(increments: torch.Tensor, queries: torch.Tensor, *, right: bool = False) -> torch.Tensor:
+    """Search each row's running sums for the same ``queries``, as one 1-D search (NOTE [One flat search]).
 
-    ``sorted_rows`` is 1-D, or ``[batch, n]`` nondecreasing along each row;
-    ``queries`` is ``[batch, m]`` or 1-D (the same queries for every row).
-    Every entry of both must lie in ``[0, span)``. Returns ``[batch, m]``
-    row-local positions (``[m]`` for 1-D rows). See NOTE [One flat search].
+    Args:
+        increments: ``[batch, n]``, never negative, ``n >= 1``.
+        queries: ``[m]``, every row's queries: above 0 (``right=False``),
+            or not below 0 (``right=True``), so that none finds the sums
+            of the rows before.
+        right: as ``torch.searchsorted``'s.
+
+    Returns:
+        int64 ``[batch, m]`` positions in the flattened rows: ``r * n +
+        torch.searchsorted(increments[r].cumsum(0), queries, right=right)``
+        where that search gives less than ``n``; at least ``(r + 1) * n``
+        for a query past row ``r``'s total.
     """
-    if sorted_rows.dim() == 1:
-        return torch.searchsorted(sorted_rows, queries, right=right)
-    batch, n = sorted_rows.shape
-    rows = torch.arange(batch, device=sorted_rows.device).unsqueeze(1)
-    # Flatten before shifting: the searched sequence must be a computed 1-D
-    # tensor, not a view of one (Inductor's lowering reads its strides).
-    flat = sorted_rows.reshape(-1) + rows.expand(batch, n).reshape(-1) * span
-    found = torch.searchsorted(flat, (queries + rows * span).flatten(), right=right)
-    return found.view(batch, queries.shape[-1]) - rows * n
+    batch, n = increments.shape
+    running = increments.reshape(-1).cumsum(0)
+    before = F.pad(running.view(batch, n)[:-1, -1], (1, 0)).unsqueeze(1)
+    return torch.searchsorted(running, (before + queries).flatten(), right=right).view(batch, queries.shape[0])
 
 
 def _compact(flags: torch.Tensor, values: torch.Tensor, slots: int, *, search: bool) -> torch.Tensor:
@@ -192,11 +199,14 @@ def _compact(flags: torch.Tensor, values: torch.Tensor, slots: int, *, search: b
     writes each slot at most once (deterministic, no atomics, O(sequence)).
     """
     length = flags.shape[-1]
-    seen = flags.cumsum(-1)
     if search:
-        # Counts lie in [0, length] and targets in [1, slots].
         targets = torch.arange(1, slots + 1, device=flags.device)
-        return values.gather(-1, search_rows(seen, targets, length + slots + 1).clamp_max(length - 1))
+        found = search_running_sums(flags.reshape(-1, length), targets)
+        # Flat positions: a slot past its row's count reads another row (garbage).
+        return (
+            values.reshape(-1).gather(0, found.flatten().clamp_max(values.numel() - 1)).view(*flags.shape[:-1], slots)
+        )
+    seen = flags.cumsum(-1)
     spare = slots + torch.arange(length, device=flags.device)
     target = torch.where(flags, seen - 1, spare)
     buffer = values.new_empty((*flags.shape[:-1], slots + length))
