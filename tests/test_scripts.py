@@ -194,3 +194,44 @@ def test_bench_smoke_writes_rows_of_the_documented_shape(tmp_path, capsys):
     for row in result["rows"]:
         assert {"family", "case", "sequence", "mean", "variant", "median_ms", "speedup"} <= set(row)
         assert row["family"] == "metadata" and row["sequence"] == 64 and row["mean"] == 16
+
+
+def test_gpu_check_walks_its_sections_on_the_cpu(tmp_path):
+    """``scripts/gpu_check.py --device cpu``: the device check cannot rot between sessions lent a GPU."""
+    from scripts import gpu_check
+
+    json_path = tmp_path / "gpu_check.json"
+    sizes = [
+        "--sequences",
+        "128",
+        "--mean",
+        "16",
+        "--batch",
+        "2",
+        "--hidden",
+        "8",
+        "--repeats",
+        "1",
+        "--alignment",
+        "8",
+    ]
+    model = ["--model-sequence", "64", "--model-batch", "2", "--model-hidden", "32", "--model-layers", "1"]
+    sections = ["--sections", "upstream", "bandwidth", "model", "sync"]
+    argv = [*sizes, *model, "--model-steps", "2", *sections, "--device", "cpu", "--json", str(json_path)]
+    assert gpu_check.main(argv) == 0
+    result = json.loads(json_path.read_text())["sections"]
+    assert list(result) == ["upstream", "bandwidth", "model", "sync"]
+    assert "skipped" in result["sync"]  # CUDA only
+    assert len(result["upstream"]) == 5 and all(row["speedup"] > 0 for row in result["upstream"].values())
+    assert result["model"]["graph_breaks"] == 0
+    assert result["model"]["first_step_loss_difference"] < 1e-4
+
+
+def test_gpu_check_without_cuda_says_so(capsys, monkeypatch, tmp_path):
+    import torch
+
+    from scripts import gpu_check
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert gpu_check.main(["--json", str(tmp_path / "unused.json")]) == 2
+    assert "CUDA is not available" in capsys.readouterr().err
