@@ -13,7 +13,7 @@ Drop-in API (:func:`get_seqlens_in_batch`, :func:`get_unpad_data`,
 ``nemo_automodel`` 0.7.0, built as the static op followed by one trim to the
 data-dependent size (a host sync in eager, an unbacked size under
 ``torch.compile`` and ``torch.export``, never a graph break); on a CPU
-tensor in eager, two of them work at exact sizes from the start (NOTE
+tensor in eager, three of them work at exact sizes from the start (NOTE
 [Exact sizes on the CPU]).
 """
 
@@ -291,12 +291,13 @@ def _dropin_rules(
 # The drop-ins are the static op at full capacity followed by one trim: one
 # host read, which on an accelerator is the one sync they may make. A CPU
 # tensor in eager has no device to synchronize with, so there
-# get_unpad_data and get_seqlens_in_batch work at exact sizes from the
-# start: ``nonzero`` finds the valid tokens, a comparison of neighbouring
-# valid ids (and rows) finds the documents, and a second ``nonzero`` their
-# starts: about half the aten calls of the static kernel, on outputs of the
-# real size, which the drop-ins then trim as they trim the static op's (a
-# no-op). The rules and messages are the same (``checked_ints``), and
+# get_unpad_data, get_seqlens_in_batch and build_packed_sequence_metadata
+# work at exact sizes from the start: ``nonzero`` finds the valid tokens, a
+# comparison of neighbouring valid ids (and rows) finds the documents, and
+# a second ``nonzero`` their starts: about half the aten calls of the
+# static kernel, on outputs of the real size, which the drop-ins then trim
+# as they trim the static op's (a no-op); the batch-major boundaries are
+# scattered from the documents' rows. The rules and messages are the same (``checked_ints``), and
 # tests/test_metadata.py holds both paths equal on generated masks, broken
 # ones included. Under torch.compile, torch.export, a dispatch mode or on
 # another device the static path runs.
@@ -341,6 +342,33 @@ def _exact_varlen(attention_mask: torch.Tensor) -> _ops.VarlenOutputs:
         num_documents=indices.new_full((), seqlens.numel()),
         broken=torch.stack([negative, decreasing, same_row.new_zeros(())]),
     )
+
+
+def _exact_batch(attention_mask: torch.Tensor) -> _ops.BatchOutputs:
+    """``packfn::batch_metadata``'s outputs for a CPU mask, from :func:`_exact_varlen` (NOTE [Exact sizes on the CPU]).
+
+    ``cu_seqlens`` is ``[batch, documents + 1]`` (every document of the batch
+    fits any row), which the drop-in pads and cuts to upstream's width.
+    """
+    batch, sequence = attention_mask.shape
+    flat = _exact_varlen(attention_mask)
+    documents = flat.seqlens.numel()
+    starts, ends = flat.cu_seqlens[:-1].long(), flat.cu_seqlens[1:].long()
+    rows = flat.indices.index_select(0, starts).div(sequence, rounding_mode="floor")
+    # Each document's index in its row, and the valid tokens of the rows before it.
+    first = torch.ones(documents, dtype=torch.bool)
+    first[1:] = rows[1:] != rows[:-1]
+    first_of_row = torch.where(first, torch.arange(documents), 0).cummax(0).values
+    cu_seqlens = torch.full((batch, documents + 1), -1, dtype=torch.int32)
+    cu_seqlens[:, 0] = 0
+    cu_seqlens[rows, torch.arange(1, documents + 1) - first_of_row] = (
+        ends - starts.index_select(0, first_of_row)
+    ).int()
+    row_max_seqlen = torch.zeros(batch, dtype=torch.int32).scatter_reduce_(0, rows, flat.seqlens, "amax")
+    num_documents = torch.bincount(rows, minlength=batch)
+    columns = torch.arange(sequence).expand(batch, sequence)
+    packed_token_indices = columns.masked_fill(attention_mask == 0, -1)
+    return _ops.BatchOutputs(packed_token_indices, cu_seqlens, row_max_seqlen, num_documents, flat.broken)
 
 
 def _varlen_for_dropin(attention_mask: torch.Tensor) -> _ops.VarlenOutputs:
@@ -438,7 +466,9 @@ def build_packed_sequence_metadata(attention_mask: torch.Tensor) -> PackedSequen
     """
     _check_dropin_mask(attention_mask)
     batch, sequence = attention_mask.shape
-    parsed = _ops.batch_metadata(attention_mask, sequence)
+    parsed = (
+        _exact_batch(attention_mask) if _exact_on_cpu(attention_mask) else _ops.batch_metadata(attention_mask, sequence)
+    )
     overflow = None
     limit = _narrow_limit(attention_mask.dtype)
     if limit is not None:

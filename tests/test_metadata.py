@@ -57,7 +57,9 @@ def masks_broken_or_not(draw) -> torch.Tensor:
     return mask
 
 
-@pytest.mark.parametrize("dropin", [packfn.get_unpad_data, packfn.get_seqlens_in_batch])
+@pytest.mark.parametrize(
+    "dropin", [packfn.get_unpad_data, packfn.get_seqlens_in_batch, packfn.build_packed_sequence_metadata]
+)
 @SETTINGS
 @given(mask=masks_broken_or_not())
 def test_exact_cpu_path_equals_the_static_path(dropin, mask):
