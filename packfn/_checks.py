@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-__all__ = ["MASK_DTYPES", "check_mask", "check_positive_int"]
+__all__ = ["MASK_DTYPES", "check_mask", "check_positive_int", "exact_on_cpu"]
 
 MASK_DTYPES = frozenset({torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64})
 
@@ -28,3 +29,15 @@ def check_positive_int(value: object, name: str) -> int:
     if isinstance(value, int) and value < 1:
         raise ValueError(f"{name} must be positive, got {value}")
     return value
+
+
+def exact_on_cpu(*tensors: torch.Tensor) -> bool:
+    """Whether a drop-in may work at exact sizes (NOTE [Exact sizes on the CPU] in :mod:`packfn.metadata`).
+
+    Plain CPU tensors in eager: not traced, under no dispatch mode, no subclass.
+    """
+    return (
+        not torch.compiler.is_compiling()
+        and _get_current_dispatch_mode() is None
+        and all(type(tensor) is torch.Tensor and tensor.device.type == "cpu" for tensor in tensors)
+    )

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from packfn._checks import check_positive_int
+from packfn._checks import check_positive_int, exact_on_cpu
 from packfn._ops import layout as _ops
 from packfn._ops._registry import assert_rules, checked_ints
 
@@ -315,6 +315,18 @@ def packed_layout(
     # upstream's ValueError; traced: an unbacked size and sync-free asserts
     # with upstream's messages), and one trim.
     bound = _worst_case_length(sequence, lengths.shape[1], alignment, minimum_length)
+    if exact_on_cpu(lengths, spans):
+        # NOTE [Exact sizes on the CPU]: the row length from the document
+        # table (with the op's rule flags), then the op at that length.
+        table = _ops.DocumentTable.build(lengths, spans, alignment)
+        longest = table.longest()
+        broken = torch.cat([table.first_violations(sequence), (longest > bound).reshape(1)])
+        need = _round_up(longest.clamp_min(floor), alignment)
+        (row_length,) = checked_ints([need], [bound], broken, _ops.layout_rules(bound))
+        layout = _ops.aligned_layout(lengths, spans, sequence, alignment, row_length)
+        return PackedSequenceLayout(
+            layout.source_indices, layout.input_positions, layout.position_ids, layout.sequence_ids
+        )
     layout = _ops.aligned_layout(lengths, spans, sequence, alignment, bound)
     need = _round_up(layout.longest.clamp_min(floor), alignment)
     (row_length,) = checked_ints([need], [bound], layout.broken, _ops.layout_rules(bound))

@@ -22,9 +22,8 @@ from __future__ import annotations
 from typing import NamedTuple, TypedDict
 
 import torch
-from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-from packfn._checks import check_mask, check_positive_int
+from packfn._checks import check_mask, check_positive_int, exact_on_cpu
 from packfn._ops import metadata as _ops
 from packfn._ops._registry import Rule, assert_rules, checked_ints
 
@@ -297,19 +296,12 @@ def _dropin_rules(
 # a second ``nonzero`` their starts: about half the aten calls of the
 # static kernel, on outputs of the real size, which the drop-ins then trim
 # as they trim the static op's (a no-op); the batch-major boundaries are
-# scattered from the documents' rows. The rules and messages are the same (``checked_ints``), and
-# tests/test_metadata.py holds both paths equal on generated masks, broken
-# ones included. Under torch.compile, torch.export, a dispatch mode or on
-# another device the static path runs.
-
-
-def _exact_on_cpu(attention_mask: torch.Tensor) -> bool:
-    return (
-        attention_mask.device.type == "cpu"
-        and not torch.compiler.is_compiling()
-        and _get_current_dispatch_mode() is None
-        and type(attention_mask) is torch.Tensor
-    )
+# scattered from the documents' rows. packed_layout reads its row length
+# from the small document table first and runs the op at that length. The
+# rules and messages are the same (``checked_ints``), and tests hold both
+# paths equal on generated inputs, broken ones included. Under
+# torch.compile, torch.export, a dispatch mode or on another device the
+# static path runs.
 
 
 def _exact_varlen(attention_mask: torch.Tensor) -> _ops.VarlenOutputs:
@@ -373,7 +365,7 @@ def _exact_batch(attention_mask: torch.Tensor) -> _ops.BatchOutputs:
 
 def _varlen_for_dropin(attention_mask: torch.Tensor) -> _ops.VarlenOutputs:
     """What a drop-in trims: exact sizes on a CPU tensor in eager, else the static op (``D = sequence``)."""
-    if _exact_on_cpu(attention_mask):
+    if exact_on_cpu(attention_mask):
         return _exact_varlen(attention_mask)
     return _ops.varlen_metadata(attention_mask, attention_mask.shape[1])
 
@@ -467,7 +459,7 @@ def build_packed_sequence_metadata(attention_mask: torch.Tensor) -> PackedSequen
     _check_dropin_mask(attention_mask)
     batch, sequence = attention_mask.shape
     parsed = (
-        _exact_batch(attention_mask) if _exact_on_cpu(attention_mask) else _ops.batch_metadata(attention_mask, sequence)
+        _exact_batch(attention_mask) if exact_on_cpu(attention_mask) else _ops.batch_metadata(attention_mask, sequence)
     )
     overflow = None
     limit = _narrow_limit(attention_mask.dtype)

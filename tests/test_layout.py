@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from unittest import mock
 
 import pytest
 import torch
@@ -56,6 +57,28 @@ def test_packed_layout_data_errors_match_upstream(inputs):
             packed_layout(inputs.seq_lens, **inputs.kwargs())
     else:
         assert_layouts_equal(packed_layout(inputs.seq_lens, **inputs.kwargs()), expected)
+
+
+def _outcome(inputs):
+    try:
+        return packed_layout(inputs.seq_lens, **inputs.kwargs())
+    except ValueError as error:
+        return str(error)
+
+
+@HYPOTHESIS
+@given(inputs=layout_inputs(broken=True))
+def test_exact_cpu_path_equals_the_static_path(inputs):
+    """NOTE [Exact sizes on the CPU] in packfn/metadata.py: the same layouts and the same errors."""
+    exact = _outcome(inputs)
+    with mock.patch("packfn.layout.exact_on_cpu", lambda *tensors: False):
+        static = _outcome(inputs)
+    if isinstance(exact, str) or isinstance(static, str):
+        assert exact == static
+    else:
+        assert_layouts_equal(exact, static)
+        for name in FIELDS:
+            assert getattr(exact, name).is_contiguous(), name
 
 
 def _kwargs(spans, input_shape, alignment, minimum_length=0):

@@ -30,7 +30,7 @@ def assert_same_outcome(ours, theirs) -> None:
 
 def static_path_on_cpu():
     """A context in which the drop-ins take the static path on the CPU too (NOTE [Exact sizes on the CPU])."""
-    return mock.patch("packfn.metadata._exact_on_cpu", lambda mask: False)
+    return mock.patch("packfn.metadata.exact_on_cpu", lambda *tensors: False)
 
 
 def fits_dtype(mask: torch.Tensor) -> bool:
