@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import re
 from unittest import mock
 
@@ -96,15 +97,17 @@ def test_get_seqlens_in_batch_matches_upstream(mask):
     assert_same(packfn.get_seqlens_in_batch(mask), upstream.get_seqlens_in_batch(mask))
 
 
+@pytest.mark.parametrize("exact", [True, False], ids=["exact_cpu_path", "static_path"])
 @SETTINGS
 @given(packing_masks())
-def test_flatten_packed_sequence_metadata_matches_upstream_on_batch_metadata(mask):
+def test_flatten_packed_sequence_metadata_matches_upstream_on_batch_metadata(exact, mask):
     assume(fits_dtype(mask) and mask.any())
     metadata = upstream.build_packed_sequence_metadata(mask)
     batch, sequence = mask.shape
     arguments = (metadata["packed_token_indices"], metadata["cu_seqlens"])
     keywords = {"batch_size": batch, "sequence_length": sequence}
-    ours = packfn.flatten_packed_sequence_metadata(*arguments, **keywords)
+    with contextlib.nullcontext() if exact else static_path_on_cpu():
+        ours = packfn.flatten_packed_sequence_metadata(*arguments, **keywords)
     assert_same(ours, upstream_models.flatten_packed_sequence_metadata(*arguments, **keywords))
     # The flat result agrees with get_unpad_data's stream.
     indices, cu_seqlens, _ = upstream.get_unpad_data(mask)
@@ -125,6 +128,7 @@ def test_flatten_packed_sequence_metadata_accepts_flat_metadata(mask):
 small_ints = st.integers(-2, 6)
 
 
+@pytest.mark.parametrize("exact", [True, False], ids=["exact_cpu_path", "static_path"])
 @settings(max_examples=300, deadline=None)
 @given(
     st.integers(1, 3),
@@ -132,8 +136,8 @@ small_ints = st.integers(-2, 6)
     st.integers(1, 4),
     st.data(),
 )
-def test_flatten_packed_sequence_metadata_rejects_what_upstream_rejects(batch, sequence, width, data):
-    """Arbitrary (mostly malformed) metadata: the same result or the same ValueError as upstream."""
+def test_flatten_packed_sequence_metadata_rejects_what_upstream_rejects(exact, batch, sequence, width, data):
+    """Arbitrary (mostly malformed) metadata: the same result or ValueError as upstream, on both eager paths."""
     indices = torch.tensor(
         data.draw(st.lists(st.sampled_from([-1, 0, 1, 2]), min_size=batch * sequence, max_size=batch * sequence))
     ).reshape(batch, sequence)
@@ -142,7 +146,8 @@ def test_flatten_packed_sequence_metadata_rejects_what_upstream_rejects(batch, s
     ).reshape(batch, width)
     shape_batch = data.draw(st.sampled_from([batch, batch + 1]))
     keywords = {"batch_size": shape_batch, "sequence_length": sequence}
-    ours = outcome(packfn.flatten_packed_sequence_metadata, indices, bounds, **keywords)
+    with contextlib.nullcontext() if exact else static_path_on_cpu():
+        ours = outcome(packfn.flatten_packed_sequence_metadata, indices, bounds, **keywords)
     theirs = outcome(upstream_models.flatten_packed_sequence_metadata, indices, bounds, **keywords)
     assert_same_outcome(ours, theirs)
 
