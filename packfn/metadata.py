@@ -339,26 +339,27 @@ def _exact_varlen(attention_mask: torch.Tensor) -> _ops.VarlenOutputs:
 def _exact_batch(attention_mask: torch.Tensor) -> _ops.BatchOutputs:
     """``packfn::batch_metadata``'s outputs for a CPU mask, from :func:`_exact_varlen` (NOTE [Exact sizes on the CPU]).
 
-    ``cu_seqlens`` is ``[batch, documents + 1]`` (every document of the batch
-    fits any row), which the drop-in pads and cuts to upstream's width.
+    ``cu_seqlens`` is ``[batch, D + 1]`` for ``D`` the most documents of a
+    row, which the drop-in pads and cuts to upstream's width.
     """
     batch, sequence = attention_mask.shape
+    device = attention_mask.device
     flat = _exact_varlen(attention_mask)
     documents = flat.seqlens.numel()
     starts, ends = flat.cu_seqlens[:-1].long(), flat.cu_seqlens[1:].long()
     rows = flat.indices.index_select(0, starts).div(sequence, rounding_mode="floor")
-    # Each document's index in its row, and the valid tokens of the rows before it.
-    first = torch.ones(documents, dtype=torch.bool)
-    first[1:] = rows[1:] != rows[:-1]
-    first_of_row = torch.where(first, torch.arange(documents), 0).cummax(0).values
-    cu_seqlens = torch.full((batch, documents + 1), -1, dtype=torch.int32)
-    cu_seqlens[:, 0] = 0
-    cu_seqlens[rows, torch.arange(1, documents + 1) - first_of_row] = (
-        ends - starts.index_select(0, first_of_row)
-    ).int()
-    row_max_seqlen = torch.zeros(batch, dtype=torch.int32).scatter_reduce_(0, rows, flat.seqlens, "amax")
     num_documents = torch.bincount(rows, minlength=batch)
-    columns = torch.arange(sequence).expand(batch, sequence)
+    # Each document's index in its row, and the valid tokens of the rows before it.
+    first = torch.ones(documents, dtype=torch.bool, device=device)
+    first[1:] = rows[1:] != rows[:-1]
+    order = torch.arange(documents, device=device)
+    first_of_row = torch.where(first, order, 0).cummax(0).values
+    width = int(num_documents.max()) if documents else 0  # a CPU read, no device sync
+    cu_seqlens = torch.full((batch, width + 1), -1, dtype=torch.int32, device=device)
+    cu_seqlens[:, 0] = 0
+    cu_seqlens[rows, order + 1 - first_of_row] = (ends - starts.index_select(0, first_of_row)).int()
+    row_max_seqlen = torch.zeros(batch, dtype=torch.int32, device=device).scatter_reduce_(0, rows, flat.seqlens, "amax")
+    columns = torch.arange(sequence, device=device).expand(batch, sequence)
     packed_token_indices = columns.masked_fill(attention_mask == 0, -1)
     return _ops.BatchOutputs(packed_token_indices, cu_seqlens, row_max_seqlen, num_documents, flat.broken)
 
@@ -474,6 +475,8 @@ def build_packed_sequence_metadata(attention_mask: torch.Tensor) -> PackedSequen
     # past the static capacity: pad with -1, then cut to the upstream width.
     filler = parsed.cu_seqlens.new_full((batch, width + 1), -1)
     cu_seqlens = torch.cat([parsed.cu_seqlens, filler], dim=1)[:, : width + 1]
+    if not torch.compiler.is_compiling():  # eager: a new contiguous tensor, as upstream's (traced: unbacked width)
+        cu_seqlens = cu_seqlens.contiguous()
     return {"packed_token_indices": parsed.packed_token_indices, "cu_seqlens": cu_seqlens, "max_seqlen": longest}
 
 

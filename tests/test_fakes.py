@@ -307,7 +307,7 @@ def test_decomposition_searches_computed_1d_sequences(op_name, args):
     """
     for sequence in _searched_sequences(op_name, args):
         dims = sequence.meta["val"].dim()
-        assert dims == 1, f"packfn::{op_name} searches a sequence of {dims} dimensions: use search_rows"
+        assert dims == 1, f"packfn::{op_name} searches a sequence of {dims} dimensions: use search_running_sums"
         view = isinstance(sequence.target, torch._ops.OpOverload) and sequence.target.is_view
         assert not view, f"packfn::{op_name} searches a view ({sequence.target}): compute the sequence in 1-D"
 
@@ -315,11 +315,11 @@ def test_decomposition_searches_computed_1d_sequences(op_name, args):
 @st.composite
 def running_searches(draw):
     """``(increments [batch, n], queries [m], right)``: increments never negative, queries up to past every total."""
-    batch, n, m = draw(st.integers(1, 5)), draw(st.integers(1, 8)), draw(st.integers(0, 9))
+    batch, n, m = draw(st.integers(0, 5)), draw(st.integers(1, 8)), draw(st.integers(0, 9))
     rows = draw(st.lists(st.lists(st.integers(0, 6), min_size=n, max_size=n), min_size=batch, max_size=batch))
     right = draw(st.booleans())
     queries = draw(st.lists(st.integers(0 if right else 1, 50), min_size=m, max_size=m))
-    return torch.tensor(rows), torch.tensor(queries, dtype=torch.int64), right
+    return torch.tensor(rows, dtype=torch.int64).reshape(batch, n), torch.tensor(queries, dtype=torch.int64), right
 
 
 @settings(max_examples=300)

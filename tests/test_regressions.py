@@ -14,6 +14,7 @@ import functools
 import itertools
 import re
 import warnings
+from unittest import mock
 
 import pytest
 import torch
@@ -523,3 +524,83 @@ def test_resolve_packing_contract_treats_an_equal_default_contract_as_explicit()
     ]
     assert [w.category for w in our_warnings] == [FutureWarning]
     assert "ignored" in str(our_warnings[0].message)
+
+
+# ------------------------------ the flat search and the exact CPU paths, under review
+# (NOTE [One flat search] in packfn/_ops/metadata.py, NOTE [Exact sizes on the CPU] in packfn/metadata.py)
+
+
+def _layout_fields(layout) -> tuple[torch.Tensor, ...]:
+    return (layout.source_indices, layout.input_positions, layout.position_ids, layout.sequence_ids)
+
+
+def test_layouts_of_an_empty_batch_match_upstream():
+    seq_lens = torch.zeros(0, 3, dtype=torch.int64)
+    kwargs = {"seq_lens_padded": None, "input_shape": (0, 5), "alignment": 2}
+    assert_same(
+        _layout_fields(packfn.packed_layout(seq_lens, **kwargs)),
+        _layout_fields(upstream_packed_layout(seq_lens, **kwargs)),
+    )
+    layout = packfn.aligned_layout(seq_lens, sequence_length=5, alignment=2, length=4)
+    assert layout.source_indices.shape == (0, 4) and layout.input_positions.shape == (0, 5)
+
+
+class _SearchingOps(torch.nn.Module):
+    def forward(self, mask, seq_lens):
+        layout = packfn.aligned_layout(seq_lens, sequence_length=mask.shape[1], alignment=2, length=2 * mask.shape[1])
+        return (*packfn.batch_metadata(mask, max_documents=4)[:4], *_layout_fields(layout))
+
+
+def _searching_inputs(batch: int, sequence: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    mask = torch.tensor([[1, 1, 2, 0, 3, 3, 3, 0]] * batch)[:, :sequence]
+    return mask, torch.tensor([[2, 1, 3, 0]] * batch)  # 4 slots: no batch size equals it (duck sizing)
+
+
+def test_no_batch_size_is_special_to_the_searches():
+    """One dynamic compile serves batches 3, 2 and 5; export with a batch Dim from 2 runs at 2."""
+    counter = CompileCounterWithBackend("inductor")
+    compiled = torch.compile(_SearchingOps(), backend=counter, fullgraph=True, dynamic=True)
+    for batch in (3, 2, 5):
+        assert_same(compiled(*_searching_inputs(batch)), _SearchingOps()(*_searching_inputs(batch)))
+    assert counter.frame_count == 1
+    batch_dim = Dim("batch", min=2, max=64)
+    exported = torch.export.export(
+        _SearchingOps(), _searching_inputs(3), dynamic_shapes=({0: batch_dim}, {0: batch_dim})
+    ).run_decompositions()
+    for batch in (2, 4):
+        assert_same(exported.module()(*_searching_inputs(batch)), _SearchingOps()(*_searching_inputs(batch)))
+
+
+def test_huge_spans_of_one_row_change_no_other_row():
+    """Spans near int64's limit (a broken table) must not wrap the flat running sum into the next row."""
+    lengths, spans = torch.tensor([[3], [3]]), torch.tensor([[2**62], [2**62]])
+    both = packfn._ops.layout.aligned_layout(lengths, spans, 8, 1, 4)
+    for row in range(2):
+        alone = packfn._ops.layout.aligned_layout(lengths[row : row + 1], spans[row : row + 1], 8, 1, 4)
+        for name in ("source_indices", "input_positions", "position_ids", "sequence_ids"):
+            assert torch.equal(getattr(both, name)[row : row + 1], getattr(alone, name)), (row, name)
+
+
+def test_exact_cpu_path_follows_the_masks_device_not_the_default_device():
+    mask = torch.tensor([[1, 1, 2, 0], [1, 1, 1, 0]])
+    expected = packfn.build_packed_sequence_metadata(mask)
+    with torch.device("meta"):
+        got = packfn.build_packed_sequence_metadata(mask)
+    assert_same(got, expected)
+
+
+@pytest.mark.parametrize("op", ["varlen_metadata", "batch_metadata"])
+def test_static_ops_accept_non_contiguous_masks(op):
+    mask = torch.tensor([[1, 1, 0], [2, 1, 0], [2, 1, 1], [0, 1, 2]]).t()  # [3, 4], not contiguous
+    assert not mask.is_contiguous()
+    function = getattr(packfn, op)
+    assert_same(tuple(function(mask, max_documents=3)), tuple(function(mask.contiguous(), max_documents=3)))
+
+
+@pytest.mark.parametrize("exact", [True, False], ids=["exact_cpu_path", "static_path"])
+def test_build_packed_sequence_metadata_cu_seqlens_is_contiguous_like_upstreams(exact):
+    mask = torch.tensor([[1, 1, 2, 0, 5], [1, 1, 1, 0, 0]])
+    with mock.patch("packfn.metadata.exact_on_cpu", lambda *tensors: exact):
+        ours = packfn.build_packed_sequence_metadata(mask)
+    assert ours["cu_seqlens"].is_contiguous()
+    assert_same(ours, upstream.build_packed_sequence_metadata(mask))

@@ -127,15 +127,18 @@ class DocumentTable(NamedTuple):
         return F.pad(self.aligned_bounds[:, -1], (0, 1)).max()
 
 
-def _slots(bounds: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
-    """``[batch, len(starts)]``: the slot whose span holds each position of ``starts`` (1-d, int64, not negative).
+def _slots(bounds: torch.Tensor, starts: torch.Tensor, limit) -> torch.Tensor:
+    """``[batch, len(starts)]``: the slot whose span holds each position of ``starts`` (1-d, int64, in ``[0, limit)``).
 
     ``bounds`` is ``[batch, documents + 1]`` running starts from 0, never
     decreasing. Slots of zero width are skipped (the search takes the last
     start at or before the position); positions at or past the row total
-    get slot ``documents``.
+    get slot ``documents``. Bounds past ``limit`` are cut to it, which
+    changes no comparison with a position and keeps the sum of every row's
+    steps within int64 however long the (broken) spans are.
     """
     batch, width = bounds.shape
+    bounds = bounds.clamp_max(limit)
     steps = torch.diff(bounds, dim=1, prepend=bounds[:, :1])  # bounds are these steps' running sums
     found = search_running_sums(steps, starts, right=True)
     rows = torch.arange(batch, device=bounds.device).unsqueeze(1)
@@ -188,7 +191,7 @@ def aligned_layout(
     # the columns inside a block follow by broadcasting (no per-column search
     # or gather).
     block_starts = torch.arange(0, length, alignment, device=device)
-    slot = _slots(aligned_bounds, block_starts)
+    slot = _slots(aligned_bounds, block_starts, length)
     first = block_starts - aligned_bounds.gather(1, slot)  # position in the document of the block's first column
     remaining = (real.gather(1, slot) - first).unsqueeze(-1)
     within = torch.arange(alignment, device=device)
@@ -202,7 +205,7 @@ def aligned_layout(
     # it is real up to the slot's start plus its real length and moves by
     # the slot's shift from input start to aligned start.
     columns = torch.arange(sequence_length, device=device)
-    slot = _slots(input_bounds, columns)
+    slot = _slots(input_bounds, columns, sequence_length)
     real_ends = F.pad(input_bounds[:, :-1], (0, 1)) + real
     shifts = aligned_bounds - input_bounds
     inside = columns < real_ends.gather(1, slot)

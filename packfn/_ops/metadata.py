@@ -124,7 +124,7 @@ def _parse_mask_eager(attention_mask: torch.Tensor, max_documents: int) -> _Pars
     negative = ids.min() < 0 if ids.dtype.is_signed else valid.new_zeros(())
     decreasing = (valid & (ids != running)).any()
     broken = torch.stack([negative, decreasing, starts.sum(1).max() > max_documents])
-    indices, valid_seen = _valid_first(valid.view(-1), torch.arange(valid.numel(), device=ids.device))
+    indices, valid_seen = _valid_first(valid.reshape(-1), torch.arange(valid.numel(), device=ids.device))
     return _ParsedMask(valid, starts, broken, indices, valid_seen)
 
 
@@ -163,15 +163,16 @@ def few_slots(max_documents: int) -> bool:
 # makes a sorted 1-D sequence in which row r's running sums are raised by
 # the total of the rows before it; each query is raised the same way, and
 # the scan's output is searched as it is. tests/test_fakes.py holds every
-# searchsorted in the ops' decompositions to a 1-D sequence that is a
-# cumsum's output or computed, never a view.
+# searchsorted in the ops' decompositions to a 1-D sequence that is not a
+# view.
 
 
 def search_running_sums(increments: torch.Tensor, queries: torch.Tensor, *, right: bool = False) -> torch.Tensor:
     """Search each row's running sums for the same ``queries``, as one 1-D search (NOTE [One flat search]).
 
     Args:
-        increments: ``[batch, n]``, never negative, ``n >= 1``.
+        increments: ``[batch, n]``, never negative, ``n >= 1``, with a
+            total over every row that int64 holds.
         queries: ``[m]``, every row's queries: above 0 (``right=False``),
             or not below 0 (``right=True``), so that none finds the sums
             of the rows before.
@@ -185,7 +186,9 @@ def search_running_sums(increments: torch.Tensor, queries: torch.Tensor, *, righ
     """
     batch, n = increments.shape
     running = increments.reshape(-1).cumsum(0)
-    before = F.pad(running.view(batch, n)[:-1, -1], (1, 0)).unsqueeze(1)
+    # Each row's running sums start from the rows before; padded then cut
+    # (not [:-1]), so that no size of the batch is special (batch 0 included).
+    before = F.pad(running.view(batch, n)[:, -1], (1, 0))[:batch].unsqueeze(1)
     return torch.searchsorted(running, (before + queries).flatten(), right=right).view(batch, queries.shape[0])
 
 
@@ -413,7 +416,7 @@ def flatten_metadata(
     positions = torch.arange(valid.numel(), device=device)
     row_offsets = torch.arange(batch, device=device).unsqueeze(1) * sequence
     values = torch.where(valid, packed_token_indices + row_offsets, positions.view(batch, sequence))
-    indices, _ = _valid_first(valid.view(-1), values.view(-1))
+    indices, _ = _valid_first(valid.reshape(-1), values.reshape(-1))
     flat_cu_seqlens, total, num_documents = flat_boundaries(cu_seqlens)
     broken = flatten_violations(valid, cu_seqlens)
     return indices, flat_cu_seqlens, total, num_documents, broken
