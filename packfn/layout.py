@@ -315,21 +315,21 @@ def packed_layout(
     # upstream's ValueError; traced: an unbacked size and sync-free asserts
     # with upstream's messages), and one trim.
     bound = _worst_case_length(sequence, lengths.shape[1], alignment, minimum_length)
-    if exact_on_cpu(lengths, spans):
-        # NOTE [Exact sizes on the CPU]: the row length from the document
-        # table (with the op's rule flags), then the op at that length.
-        table = _ops.DocumentTable.build(lengths, spans, alignment)
-        longest = table.longest()
-        broken = torch.cat([table.first_violations(sequence), (longest > bound).reshape(1)])
-        need = _round_up(longest.clamp_min(floor), alignment)
-        (row_length,) = checked_ints([need], [bound], broken, _ops.layout_rules(bound))
+    exact = exact_on_cpu(lengths, spans)
+    if exact:
+        # NOTE [Exact sizes on the CPU]: the row length and the op's rule flags
+        # from the document table, then the op at that length.
+        longest, broken = _ops.DocumentTable.build(lengths, spans, alignment).checked(sequence, bound)
+    else:
+        layout = _ops.aligned_layout(lengths, spans, sequence, alignment, bound)
+        longest, broken = layout.longest, layout.broken
+    need = _round_up(longest.clamp_min(floor), alignment)
+    (row_length,) = checked_ints([need], [bound], broken, _ops.layout_rules(bound))
+    if exact:
         layout = _ops.aligned_layout(lengths, spans, sequence, alignment, row_length)
         return PackedSequenceLayout(
             layout.source_indices, layout.input_positions, layout.position_ids, layout.sequence_ids
         )
-    layout = _ops.aligned_layout(lengths, spans, sequence, alignment, bound)
-    need = _round_up(layout.longest.clamp_min(floor), alignment)
-    (row_length,) = checked_ints([need], [bound], layout.broken, _ops.layout_rules(bound))
     # The first row_length columns as new contiguous tensors (like upstream's
     # fields), taken by index_select rather than a slice: Inductor (torch
     # 2.13) can save a slice of unbacked width for the backward with other

@@ -535,23 +535,21 @@ def flatten_packed_sequence_metadata(
         )
         return flat.indices[:tokens], flat.cu_seqlens[: documents + 1]
     valid = packed_token_indices >= 0
-    batch, sequence = packed_token_indices.shape
-    row_offsets = torch.arange(0, batch * sequence, sequence, device=valid.device).unsqueeze(1)
     if exact_on_cpu(packed_token_indices, cu_seqlens):
         # NOTE [Exact sizes on the CPU]: the documents are the differences of
         # neighbouring valid boundaries (a prefix of each row once the rules hold).
         valid_bounds = cu_seqlens >= 0
         lengths = (cu_seqlens[:, 1:] - cu_seqlens[:, :-1])[valid_bounds[:, 1:] & valid_bounds[:, :-1]]
-        flags = torch.cat(
-            [_ops.flatten_violations(valid, cu_seqlens), valid_bounds.new_full((1,), lengths.numel() == 0)]
-        )
-        checked_ints([], [], flags, rules)
         flat_cu_seqlens = torch.cat([lengths.new_zeros(1), lengths.cumsum(0, dtype=cu_seqlens.dtype)])
-        return torch.masked_select(packed_token_indices.long() + row_offsets, valid), flat_cu_seqlens
-    # Eager elsewhere: the boundaries and the rule flags in one read, then the
-    # valid tokens at their exact count (no permutation of the padding).
-    flat_cu_seqlens, _, num_documents = _ops.flat_boundaries(cu_seqlens)
+        num_documents = valid_bounds.new_full((), lengths.numel(), dtype=torch.int64)
+    else:
+        # Elsewhere in eager: the static boundaries, trimmed below.
+        flat_cu_seqlens, _, num_documents = _ops.flat_boundaries(cu_seqlens)
+    # The rule flags and the document count in one read, then the valid
+    # tokens at their exact count (no permutation of the padding).
     flags = torch.cat([_ops.flatten_violations(valid, cu_seqlens), (num_documents == 0).reshape(1)])
     (documents,) = checked_ints([num_documents], [cu_seqlens.numel()], flags, rules)
+    batch, sequence = packed_token_indices.shape
+    row_offsets = torch.arange(0, batch * sequence, sequence, device=valid.device).unsqueeze(1)
     indices = torch.masked_select(packed_token_indices.long() + row_offsets, valid)
     return indices, flat_cu_seqlens[: documents + 1]

@@ -126,6 +126,11 @@ class DocumentTable(NamedTuple):
         """0-d int64: the longest aligned row (0 without documents, and for an empty batch)."""
         return F.pad(self.aligned_bounds[:, -1], (0, 1)).max()
 
+    def checked(self, sequence_length: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(longest, broken)``: :meth:`longest` and the flags of :func:`layout_rules` for a row of ``length``."""
+        longest = self.longest()
+        return longest, torch.cat([self.first_violations(sequence_length), (longest > length).reshape(1)])
+
 
 def _slots(bounds: torch.Tensor, starts: torch.Tensor, limit) -> torch.Tensor:
     """``[batch, len(starts)]``: the slot whose span holds each position of ``starts`` (1-d, int64, in ``[0, limit)``).
@@ -178,8 +183,7 @@ def aligned_layout(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     # Callers check that length is a multiple of alignment.
     table = DocumentTable.build(seq_lens, seq_lens_padded, alignment)
-    longest = table.longest()
-    broken = torch.cat([table.first_violations(sequence_length), (longest > length).reshape(1)])
+    longest, broken = table.checked(sequence_length, length)
     real, input_bounds, aligned_bounds = table.real, table.input_bounds, table.aligned_bounds
     batch, device = real.shape[0], real.device
     # Slot `documents` (past the last document) reads a real length of 0, so
