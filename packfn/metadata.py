@@ -291,8 +291,9 @@ def _dropin_rules(
 # host read, which on an accelerator is the one sync they may make. A CPU
 # tensor in eager has no device to synchronize with, so there
 # get_unpad_data, get_seqlens_in_batch and build_packed_sequence_metadata
-# work at exact sizes from the start: ``nonzero`` finds the valid tokens, a
-# comparison of neighbouring valid ids (and rows) finds the documents, and
+# work at exact sizes from the start: ``nonzero`` finds the valid tokens,
+# the differences of neighbouring valid ids (each row's first valid token,
+# found by a search, marked apart) find the documents and any decrease, and
 # a second ``nonzero`` their starts: about half the aten calls of the
 # static kernel, on outputs of the real size, which the drop-ins then trim
 # as they trim the static op's (a no-op); the batch-major boundaries are
@@ -311,28 +312,34 @@ def _exact_varlen(attention_mask: torch.Tensor) -> _ops.VarlenOutputs:
     the real documents only; trimming them to their counts changes nothing.
     The third rule (too many documents) never breaks: ``D = sequence``.
     """
-    sequence = attention_mask.shape[1]
+    batch, sequence = attention_mask.shape
     flat = attention_mask.reshape(-1)
     indices = flat.nonzero().squeeze(1)
     ids = flat.index_select(0, indices)
-    # A shift where the row length is a power of two (an int64 division costs ten times more).
-    shift = sequence.bit_length() - 1
-    rows = indices >> shift if sequence == 1 << shift else indices.div(sequence, rounding_mode="floor")
-    same_row = rows[1:] == rows[:-1]
-    later = ids[1:] != ids[:-1]
-    starts = torch.cat([indices.new_zeros(min(1, indices.numel())), (later | ~same_row).nonzero().squeeze(1) + 1])
-    cu_seqlens = torch.cat([starts, starts.new_full((1,), indices.numel())]).to(torch.int32)
+    if ids.dtype in (torch.bool, torch.uint8):
+        ids = ids.to(torch.int16)  # so that a difference of ids cannot wrap
+    tokens = indices.numel()
+    # step[j] for a valid token j > 0 is its id minus the previous valid
+    # token's (non-negative ids cannot overflow); then a row's first valid
+    # token, found by a search of the row starts, and the end are marked 1.
+    # The documents start where step is not 0, and ids decrease where it is
+    # negative.
+    step = ids.new_ones(tokens + 1)
+    torch.sub(ids[1:], ids[:-1], out=step[1:tokens])
+    row_starts = torch.arange(0, batch * sequence, sequence, device=indices.device)
+    step.index_fill_(0, torch.searchsorted(indices, row_starts), 1)
+    cu_seqlens = step.nonzero().squeeze(1).to(torch.int32)
     seqlens = cu_seqlens.diff()
-    negative = (ids < 0).any() if ids.dtype.is_signed else same_row.new_zeros(())
-    decreasing = (same_row & (ids[1:] < ids[:-1])).any()
+    no = step.new_zeros((), dtype=torch.bool)
+    negative = ids.min() < 0 if ids.dtype.is_signed and tokens else no
     return _ops.VarlenOutputs(
         indices=indices,
         cu_seqlens=cu_seqlens,
         seqlens=seqlens,
         max_seqlen=seqlens.max() if seqlens.numel() else seqlens.new_zeros(()),
-        num_tokens=indices.new_full((), indices.numel()),
+        num_tokens=indices.new_full((), tokens),
         num_documents=indices.new_full((), seqlens.numel()),
-        broken=torch.stack([negative, decreasing, same_row.new_zeros(())]),
+        broken=torch.stack([negative, step.min() < 0, no]),
     )
 
 
