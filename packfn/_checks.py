@@ -5,7 +5,12 @@ from __future__ import annotations
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-__all__ = ["MASK_DTYPES", "check_mask", "check_positive_int", "exact_on_cpu"]
+try:
+    import numpy
+except ImportError:  # torch runs without numpy; so does packfn
+    numpy = None
+
+__all__ = ["MASK_DTYPES", "check_mask", "check_positive_int", "cpu_nonzero", "exact_on_cpu"]
 
 MASK_DTYPES = frozenset({torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64})
 
@@ -41,3 +46,17 @@ def exact_on_cpu(*tensors: torch.Tensor) -> bool:
         and _get_current_dispatch_mode() is None
         and all(type(tensor) is torch.Tensor and tensor.device.type == "cpu" for tensor in tensors)
     )
+
+
+def cpu_nonzero(flags: torch.Tensor) -> torch.Tensor:
+    """``flags.nonzero().squeeze(1)`` for a 1-d bool CPU tensor, by NumPy where it is installed.
+
+    NumPy's ``flatnonzero`` of a bool array is several times faster than
+    aten's CPU ``nonzero`` (18 against 78 us for 32768 flags on the 2-core
+    machine), and the exact CPU paths run two or three of them
+    (NOTE [Exact sizes on the CPU] in :mod:`packfn.metadata`). The array
+    shares the tensor's memory; the positions come back as int64.
+    """
+    if numpy is None:
+        return flags.nonzero().squeeze(1)
+    return torch.from_numpy(numpy.flatnonzero(flags.numpy())).to(torch.int64)

@@ -23,7 +23,7 @@ from typing import NamedTuple, TypedDict
 
 import torch
 
-from packfn._checks import check_mask, check_positive_int, exact_on_cpu
+from packfn._checks import check_mask, check_positive_int, cpu_nonzero, exact_on_cpu
 from packfn._ops import metadata as _ops
 from packfn._ops._registry import Rule, assert_rules, checked_ints
 
@@ -314,21 +314,21 @@ def _exact_varlen(attention_mask: torch.Tensor) -> _ops.VarlenOutputs:
     """
     batch, sequence = attention_mask.shape
     flat = attention_mask.reshape(-1)
-    indices = flat.nonzero().squeeze(1)
+    indices = cpu_nonzero(flat != 0)
     ids = flat.index_select(0, indices)
     if ids.dtype in (torch.bool, torch.uint8):
         ids = ids.to(torch.int16)  # so that a difference of ids cannot wrap
     tokens = indices.numel()
     # step[j] for a valid token j > 0 is its id minus the previous valid
-    # token's (non-negative ids cannot overflow); then a row's first valid
-    # token, found by a search of the row starts, and the end are marked 1.
-    # The documents start where step is not 0, and ids decrease where it is
-    # negative.
-    step = ids.new_ones(tokens + 1)
+    # token's (non-negative ids cannot overflow); then each row's first
+    # valid token and the end (found by a search of the row starts and the
+    # mask's end) are marked 1. The documents start where step is not 0, and
+    # ids decrease where it is negative.
+    step = ids.new_empty(tokens + 1)
     torch.sub(ids[1:], ids[:-1], out=step[1:tokens])
-    row_starts = torch.arange(0, batch * sequence, sequence, device=indices.device)
+    row_starts = torch.arange(0, batch * sequence + 1, sequence, device=indices.device)
     step.index_fill_(0, torch.searchsorted(indices, row_starts), 1)
-    cu_seqlens = step.nonzero().squeeze(1).to(torch.int32)
+    cu_seqlens = cpu_nonzero(step != 0).to(torch.int32)
     seqlens = cu_seqlens.diff()
     no = step.new_zeros((), dtype=torch.bool)
     negative = ids.min() < 0 if ids.dtype.is_signed and tokens else no
@@ -542,7 +542,8 @@ def flatten_packed_sequence_metadata(
         )
         return flat.indices[:tokens], flat.cu_seqlens[: documents + 1]
     valid = packed_token_indices >= 0
-    if exact_on_cpu(packed_token_indices, cu_seqlens):
+    exact = exact_on_cpu(packed_token_indices, cu_seqlens)
+    if exact:
         # NOTE [Exact sizes on the CPU]: the documents are the differences of
         # neighbouring valid boundaries (a prefix of each row once the rules hold).
         valid_bounds = cu_seqlens >= 0
@@ -558,5 +559,9 @@ def flatten_packed_sequence_metadata(
     (documents,) = checked_ints([num_documents], [cu_seqlens.numel()], flags, rules)
     batch, sequence = packed_token_indices.shape
     row_offsets = torch.arange(0, batch * sequence, sequence, device=valid.device).unsqueeze(1)
-    indices = torch.masked_select(packed_token_indices.long() + row_offsets, valid)
+    values = packed_token_indices.long() + row_offsets
+    if exact:
+        indices = values.reshape(-1).index_select(0, cpu_nonzero(valid.reshape(-1)))
+    else:
+        indices = torch.masked_select(values, valid)
     return indices, flat_cu_seqlens[: documents + 1]

@@ -16,6 +16,7 @@ from nemo_automodel.components.models.common import packing as upstream_models
 from strategies import packing_masks
 
 import packfn
+from packfn._checks import cpu_nonzero
 
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 EXAMPLE = torch.tensor([[1, 1, 2, 2, 2, 0], [1, 1, 1, 1, 0, 0]])
@@ -69,6 +70,18 @@ def test_exact_cpu_path_equals_the_static_path(dropin, mask):
     with static_path_on_cpu():
         static = outcome(dropin, mask)
     assert_same_outcome(exact, static)
+
+
+@pytest.mark.parametrize("with_numpy", [True, False])
+@SETTINGS
+@given(flags=st.lists(st.booleans(), max_size=200))
+def test_cpu_nonzero_is_torch_nonzero(with_numpy, flags):
+    """The exact CPU paths' ``nonzero`` (NumPy's where installed) gives aten's positions, as int64."""
+    tensor = torch.tensor(flags, dtype=torch.bool)
+    with contextlib.nullcontext() if with_numpy else mock.patch("packfn._checks.numpy", None):
+        positions = cpu_nonzero(tensor)
+    assert positions.dtype == torch.int64
+    assert torch.equal(positions, tensor.nonzero().squeeze(1))
 
 
 @SETTINGS
