@@ -318,18 +318,20 @@ def packed_layout(
     exact = exact_on_cpu(lengths, spans)
     if exact:
         # NOTE [Exact sizes on the CPU]: the row length and the op's rule flags
-        # from the document table, then the op at that length.
-        longest, broken = _ops.DocumentTable.build(lengths, spans, alignment).checked(sequence, bound)
+        # from the document table, then the op's eager tables from the same
+        # table at that length.
+        table = _ops.DocumentTable.build(lengths, spans, alignment)
+        longest, broken = table.checked(sequence, bound)
     else:
         layout = _ops.aligned_layout(lengths, spans, sequence, alignment, bound)
         longest, broken = layout.longest, layout.broken
     need = _round_up(longest.clamp_min(floor), alignment)
     (row_length,) = checked_ints([need], [bound], broken, _ops.layout_rules(bound))
     if exact:
-        layout = _ops.aligned_layout(lengths, spans, sequence, alignment, row_length)
-        return PackedSequenceLayout(
-            layout.source_indices, layout.input_positions, layout.position_ids, layout.sequence_ids
+        source_indices, position_ids, sequence_ids, input_positions = _ops.layout_tables(
+            table, sequence, alignment, row_length, search_input=False
         )
+        return PackedSequenceLayout(source_indices, input_positions, position_ids, sequence_ids)
     # The first row_length columns as new contiguous tensors (like upstream's
     # fields), taken by index_select rather than a slice: Inductor (torch
     # 2.13) can save a slice of unbacked width for the backward with other

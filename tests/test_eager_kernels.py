@@ -8,7 +8,9 @@ from assertions import assert_same
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from strategies import packing_masks
+from strategies_layout import layout_inputs
 
+from packfn._ops import layout as layout_ops
 from packfn._ops import metadata as ops
 
 EAGER_OPS = [ops.varlen_metadata, ops.batch_metadata]
@@ -53,3 +55,18 @@ def test_eager_kernel_reports_the_same_first_broken_rule(op, name):
     mask = torch.tensor(BROKEN[name])
     assert_same_outputs(op, mask, 2)
     assert op.eager(mask, 2).broken.any()
+
+
+@settings(max_examples=150, deadline=None)
+@given(inputs=layout_inputs(broken=True), data=st.data())
+def test_layout_eager_kernel_matches_decomposition(inputs, data):
+    """``aligned_layout``'s eager ``input_positions`` (a scatter) is its decomposition's (a search per column)."""
+    op = layout_ops.aligned_layout
+    assert op.eager is not op.math
+    batch, sequence = inputs.input_shape
+    lengths = inputs.seq_lens.reshape(batch, -1)
+    spans = lengths if inputs.seq_lens_padded is None else inputs.seq_lens_padded.reshape(batch, -1)
+    alignment = inputs.alignment
+    need = int(layout_ops.DocumentTable.build(lengths, spans, alignment).longest())
+    blocks = data.draw(st.integers(max(0, -(-need // alignment) - 1), -(-need // alignment) + 2), label="blocks")
+    assert_same_outputs(op, lengths, spans, sequence, alignment, blocks * alignment)

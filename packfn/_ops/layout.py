@@ -34,7 +34,16 @@ import torch.nn.functional as F
 from packfn._ops._registry import Rule, named_value, packfn_op
 from packfn._ops.metadata import search_running_sums
 
-__all__ = ["ABSENT", "AlignedLayoutOutputs", "DocumentTable", "aligned_layout", "layout_rules", "pack", "restore"]
+__all__ = [
+    "ABSENT",
+    "AlignedLayoutOutputs",
+    "DocumentTable",
+    "aligned_layout",
+    "layout_rules",
+    "layout_tables",
+    "pack",
+    "restore",
+]
 
 ABSENT = -1000
 """The length upstream uses (besides 0) for an absent document."""
@@ -177,13 +186,17 @@ class AlignedLayoutOutputs(NamedTuple):
     broken: torch.Tensor  # bool [5]: layout_rules
 
 
-@packfn_op("aligned_layout", fake=_aligned_layout_fake, outputs=AlignedLayoutOutputs)
-def aligned_layout(
-    seq_lens: torch.Tensor, seq_lens_padded: torch.Tensor, sequence_length: int, alignment: int, length: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    # Callers check that length is a multiple of alignment.
-    table = DocumentTable.build(seq_lens, seq_lens_padded, alignment)
-    longest, broken = table.checked(sequence_length, length)
+def layout_tables(
+    table: DocumentTable, sequence_length: int, alignment: int, length: int, *, search_input: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``source_indices``, ``position_ids``, ``sequence_ids``, ``input_positions`` of ``table``'s layout.
+
+    ``length`` is a multiple of ``alignment`` (callers check). With
+    ``search_input`` each input column searches its document (the
+    decomposition); without, ``input_positions`` is the inverse of
+    ``source_indices`` (:func:`_inverse`, the eager kernel), which is the
+    same wherever the layout rules hold.
+    """
     real, input_bounds, aligned_bounds = table.real, table.input_bounds, table.aligned_bounds
     batch, device = real.shape[0], real.device
     # Slot `documents` (past the last document) reads a real length of 0, so
@@ -199,22 +212,76 @@ def aligned_layout(
     first = block_starts - aligned_bounds.gather(1, slot)  # position in the document of the block's first column
     remaining = (real.gather(1, slot) - first).unsqueeze(-1)
     within = torch.arange(alignment, device=device)
-    inside = within < remaining
+    outside = within >= remaining
+    # Each sum is its own output, masked in place: in eager on the CPU, fresh
+    # pages of a large temporary cost more than the pass that fills them.
     source_first = (input_bounds.gather(1, slot) + first).unsqueeze(-1)
-    source_indices = torch.where(inside, source_first + within, -1).reshape(batch, length)
-    position_ids = torch.where(inside, first.unsqueeze(-1) + within, 0).reshape(batch, length)
-    sequence_ids = torch.where(inside, slot.unsqueeze(-1) + 1, 0).reshape(batch, length)
+    source_indices = (source_first + within).masked_fill_(outside, -1).reshape(batch, length)
+    position_ids = (first.unsqueeze(-1) + within).masked_fill_(outside, 0).reshape(batch, length)
+    sequence_ids = torch.where(outside, 0, slot.unsqueeze(-1) + 1).reshape(batch, length)
 
-    # Input row: spans are not aligned, so each column searches its slot;
-    # it is real up to the slot's start plus its real length and moves by
-    # the slot's shift from input start to aligned start.
-    columns = torch.arange(sequence_length, device=device)
-    slot = _slots(input_bounds, columns, sequence_length)
-    real_ends = F.pad(input_bounds[:, :-1], (0, 1)) + real
-    shifts = aligned_bounds - input_bounds
-    inside = columns < real_ends.gather(1, slot)
-    input_positions = torch.where(inside, columns + shifts.gather(1, slot), -1)
-    return source_indices, position_ids, sequence_ids, input_positions, longest, broken
+    if search_input:
+        # Input row: spans are not aligned, so each column searches its slot;
+        # it is real up to the slot's start plus its real length and moves by
+        # the slot's shift from input start to aligned start.
+        columns = torch.arange(sequence_length, device=device)
+        slot = _slots(input_bounds, columns, sequence_length)
+        real_ends = F.pad(input_bounds[:, :-1], (0, 1)) + real
+        shifts = aligned_bounds - input_bounds
+        inside = columns < real_ends.gather(1, slot)
+        input_positions = torch.where(inside, columns + shifts.gather(1, slot), -1)
+    else:
+        input_positions = _inverse(source_indices, sequence_length)
+    return source_indices, position_ids, sequence_ids, input_positions
+
+
+def _aligned_layout(
+    seq_lens: torch.Tensor,
+    seq_lens_padded: torch.Tensor,
+    sequence_length: int,
+    alignment: int,
+    length: int,
+    *,
+    search_input: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    table = DocumentTable.build(seq_lens, seq_lens_padded, alignment)
+    longest, broken = table.checked(sequence_length, length)
+    tables = layout_tables(table, sequence_length, alignment, length, search_input=search_input)
+    return (*tables, longest, broken)
+
+
+def _inverse(source_indices: torch.Tensor, sequence_length: int) -> torch.Tensor:
+    """``input_positions`` as the inverse of ``source_indices``: one indexed write, where the layout rules hold.
+
+    Each aligned column holding a real token writes its column to that
+    token's input column (NOTE [Why pack and restore are each other's
+    backward]); every other aligned column writes to one spare slot past
+    the rows, so no index leaves the buffer however broken the tables. Few
+    large temporaries: on the CPU, fresh pages cost more than the passes.
+    """
+    batch, length = source_indices.shape
+    device = source_indices.device
+    spare = batch * sequence_length
+    real = (source_indices >= 0) & (source_indices < sequence_length)
+    target = source_indices + torch.arange(batch, device=device).unsqueeze(1) * sequence_length
+    target.masked_fill_(~real, spare)
+    inverse = source_indices.new_full((spare + 1,), -1)
+    inverse[target] = torch.arange(length, device=device)
+    return inverse[:spare].view(batch, sequence_length)
+
+
+def _aligned_layout_eager(
+    seq_lens: torch.Tensor, seq_lens_padded: torch.Tensor, sequence_length: int, alignment: int, length: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The eager kernel (NOTE [Eager kernels]): ``input_positions`` by one scatter, not a search per input column."""
+    return _aligned_layout(seq_lens, seq_lens_padded, sequence_length, alignment, length, search_input=False)
+
+
+@packfn_op("aligned_layout", fake=_aligned_layout_fake, outputs=AlignedLayoutOutputs, eager=_aligned_layout_eager)
+def aligned_layout(
+    seq_lens: torch.Tensor, seq_lens_padded: torch.Tensor, sequence_length: int, alignment: int, length: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _aligned_layout(seq_lens, seq_lens_padded, sequence_length, alignment, length, search_input=True)
 
 
 # NOTE [Why pack and restore are each other's backward]
