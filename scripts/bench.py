@@ -4,8 +4,10 @@ Every op family (``scripts/benchmarks/<family>.py``) builds ``Case``s from the
 SPEC section 5 inputs: ``batch=8``, document lengths drawn from an exponential
 distribution (mean 300 and 800 tokens), rows filled until the next document
 would not fit. Each variant of a case is timed in interleaved rounds (so
-drift on a shared machine hits all variants alike); the median is reported
-with the ratio ``baseline / variant`` (above 1: faster than the baseline).
+drift on a shared machine hits all variants alike), a fast variant repeated
+within a sample until the sample lasts about ``--sample-ms``; the median
+time per call is reported with the ratio ``baseline / variant`` (above 1:
+faster than the baseline).
 
     python scripts/bench.py                       # full run: sequence 4096 and 32768
     python scripts/bench.py --sequences 256 --repeats 3 --families metadata --json out.json
@@ -41,24 +43,48 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_case(case: Case, repeats: int, device: torch.device, budget_s: float) -> dict[str, float]:
-    """Median seconds per variant over interleaved rounds (fewer rounds if a variant is very slow)."""
+def calls_per_sample(case: Case, device: torch.device, sample_s: float) -> dict[str, int]:
+    """How many back-to-back calls make one sample of each variant last about ``sample_s`` (one call at least).
+
+    Sub-millisecond variants are timed over many calls per sample, so that a
+    sample is not one call's scheduler noise.
+    """
+    calls = {}
+    for label, function in case.variants.items():
+        _synchronize(device)
+        begin = time.perf_counter()
+        function()
+        _synchronize(device)
+        calls[label] = max(1, min(1000, round(sample_s / max(time.perf_counter() - begin, 1e-9))))
+    return calls
+
+
+def time_case(case: Case, repeats: int, device: torch.device, budget_s: float, sample_s: float) -> dict[str, float]:
+    """Median seconds per call of each variant over interleaved rounds (fewer rounds if a variant is very slow)."""
+    calls = calls_per_sample(case, device, sample_s)
     samples: dict[str, list[float]] = {label: [] for label in case.variants}
     started = time.perf_counter()
     for round_index in range(repeats):
         for label, function in case.variants.items():
             _synchronize(device)
             begin = time.perf_counter()
-            function()
+            for _ in range(calls[label]):
+                function()
             _synchronize(device)
-            samples[label].append(time.perf_counter() - begin)
+            samples[label].append((time.perf_counter() - begin) / calls[label])
         if round_index >= 2 and time.perf_counter() - started > budget_s:
             break
     return {label: statistics.median(values) for label, values in samples.items()}
 
 
 def run(
-    sequences: list[int], means: list[int], families: list[str], repeats: int, device: str, budget_s: float
+    sequences: list[int],
+    means: list[int],
+    families: list[str],
+    repeats: int,
+    device: str,
+    budget_s: float,
+    sample_s: float = 0.01,
 ) -> list[dict]:
     rows = []
     for sequence in sequences:
@@ -69,7 +95,7 @@ def run(
                 for case in module.cases(inputs):
                     for label in case.variants:
                         case.variants[label]()  # warm every variant once
-                    medians = time_case(case, repeats, inputs.device, budget_s)
+                    medians = time_case(case, repeats, inputs.device, budget_s, sample_s)
                     base = medians[case.baseline]
                     floor = medians[case.floor] if case.floor else None
                     for label, seconds in medians.items():
@@ -142,12 +168,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--families", nargs="+", default=list(FAMILIES), choices=FAMILIES)
     parser.add_argument("--repeats", type=int, default=7, help="interleaved timing rounds per case")
     parser.add_argument("--budget", type=float, default=20.0, help="seconds per case before rounds stop (min 3)")
+    parser.add_argument(
+        "--sample-ms", type=float, default=10.0, help="a sample repeats a fast variant until it lasts about this long"
+    )
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--json", type=Path, default=Path("bench_results/bench.json"))
     parser.add_argument("--plot", type=Path, default=Path("bench_results/bench.png"))
     arguments = parser.parse_args(argv)
     rows = run(
-        arguments.sequences, arguments.means, arguments.families, arguments.repeats, arguments.device, arguments.budget
+        arguments.sequences,
+        arguments.means,
+        arguments.families,
+        arguments.repeats,
+        arguments.device,
+        arguments.budget,
+        arguments.sample_ms / 1e3,
     )
     arguments.json.parent.mkdir(parents=True, exist_ok=True)
     report = {

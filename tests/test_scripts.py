@@ -186,7 +186,7 @@ def test_bench_smoke_writes_rows_of_the_documented_shape(tmp_path, capsys):
     from scripts import bench
 
     json_path, plot_path = tmp_path / "b.json", tmp_path / "b.png"
-    argv = ["--sequences", "64", "--means", "16", "--repeats", "1", "--families", "metadata"]
+    argv = ["--sequences", "64", "--means", "16", "--repeats", "1", "--sample-ms", "1", "--families", "metadata"]
     assert bench.main([*argv, "--json", str(json_path), "--plot", str(plot_path)]) == 0
     result = json.loads(json_path.read_text())
     assert {"torch", "rows"} <= set(result)
