@@ -39,10 +39,13 @@ def check_positive_int(value: object, name: str) -> int:
 def exact_on_cpu(*tensors: torch.Tensor) -> bool:
     """Whether a drop-in may work at exact sizes (NOTE [Exact sizes on the CPU] in :mod:`packfn.metadata`).
 
-    Plain CPU tensors in eager: not traced, under no dispatch mode, no subclass.
+    Plain CPU tensors in eager: not traced (by Dynamo or ``torch.jit.trace``,
+    which would record the exact sizes as constants), under no dispatch
+    mode, no subclass.
     """
     return (
         not torch.compiler.is_compiling()
+        and not torch.jit.is_tracing()
         and _get_current_dispatch_mode() is None
         and all(type(tensor) is torch.Tensor and tensor.device.type == "cpu" for tensor in tensors)
     )
@@ -54,9 +57,15 @@ def cpu_nonzero(flags: torch.Tensor) -> torch.Tensor:
     NumPy's ``flatnonzero`` of a bool array is several times faster than
     aten's CPU ``nonzero`` (18 against 78 us for 32768 flags on the 2-core
     machine), and the exact CPU paths run two or three of them
-    (NOTE [Exact sizes on the CPU] in :mod:`packfn.metadata`). The array
-    shares the tensor's memory; the positions come back as int64.
+    (NOTE [Exact sizes on the CPU] in :mod:`packfn.metadata`). The positions
+    come back as an int64 tensor that owns its memory (resizable, as
+    aten's), by torch where NumPy is missing or torch's bridge to it fails.
     """
-    if numpy is None:
-        return flags.nonzero().squeeze(1)
-    return torch.from_numpy(numpy.flatnonzero(flags.numpy())).to(torch.int64)
+    if numpy is not None:
+        try:
+            array = flags.numpy()
+        except RuntimeError:  # torch built without NumPy, or an incompatible NumPy
+            pass
+        else:
+            return torch.from_numpy(numpy.flatnonzero(array)).to(torch.int64, copy=True)
+    return flags.nonzero().squeeze(1)

@@ -320,7 +320,7 @@ def packed_layout(
         # NOTE [Exact sizes on the CPU]: the row length and the op's rule flags
         # from the document table, then the op's eager tables from the same
         # table at that length.
-        table = _ops.DocumentTable.build(lengths, spans, alignment)
+        table = _ops.DocumentTable.build(lengths, spans, alignment, sequence)
         longest, broken = table.checked(sequence, bound)
     else:
         layout = _ops.aligned_layout(lengths, spans, sequence, alignment, bound)

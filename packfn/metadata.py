@@ -483,8 +483,8 @@ def build_packed_sequence_metadata(attention_mask: torch.Tensor) -> PackedSequen
     # past the static capacity: pad with -1, then cut to the upstream width.
     filler = parsed.cu_seqlens.new_full((batch, width + 1), -1)
     cu_seqlens = torch.cat([parsed.cu_seqlens, filler], dim=1)[:, : width + 1]
-    if not torch.compiler.is_compiling():  # eager: a new contiguous tensor, as upstream's (traced: unbacked width)
-        cu_seqlens = cu_seqlens.contiguous()
+    if not torch.compiler.is_compiling():  # eager: a new tensor of upstream's strides (traced: unbacked width)
+        cu_seqlens = cu_seqlens.clone(memory_format=torch.contiguous_format)
     return {"packed_token_indices": parsed.packed_token_indices, "cu_seqlens": cu_seqlens, "max_seqlen": longest}
 
 

@@ -67,6 +67,6 @@ def test_layout_eager_kernel_matches_decomposition(inputs, data):
     lengths = inputs.seq_lens.reshape(batch, -1)
     spans = lengths if inputs.seq_lens_padded is None else inputs.seq_lens_padded.reshape(batch, -1)
     alignment = inputs.alignment
-    need = int(layout_ops.DocumentTable.build(lengths, spans, alignment).longest())
+    need = int(layout_ops.DocumentTable.build(lengths, spans, alignment, sequence).longest())
     blocks = data.draw(st.integers(max(0, -(-need // alignment) - 1), -(-need // alignment) + 2), label="blocks")
     assert_same_outputs(op, lengths, spans, sequence, alignment, blocks * alignment)

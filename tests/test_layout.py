@@ -211,7 +211,7 @@ def test_aligned_length_fits_every_valid_table(tables, alignment):
         sum(span for span, length in zip(span_row, row, strict=True) if length not in (0, -1000))
         for span_row, row in zip(spans, lengths, strict=True)
     )
-    need = int(layout_ops.DocumentTable.build(seq_lens, seq_lens, alignment).longest())
+    need = int(layout_ops.DocumentTable.build(seq_lens, seq_lens, alignment, sequence).longest())
     assert need <= aligned_length(sequence, seq_lens.shape[1], alignment)
 
 

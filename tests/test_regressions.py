@@ -10,6 +10,7 @@ size must cross a threshold.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import re
@@ -597,10 +598,44 @@ def test_static_ops_accept_non_contiguous_masks(op):
     assert_same(tuple(function(mask, max_documents=3)), tuple(function(mask.contiguous(), max_documents=3)))
 
 
+@pytest.mark.parametrize("mask", [[[1, 1, 2, 0, 5], [1, 1, 1, 0, 0]], [[1, 1, 2, 0, 0, 0]]], ids=["batch_2", "batch_1"])
 @pytest.mark.parametrize("exact", [True, False], ids=["exact_cpu_path", "static_path"])
-def test_build_packed_sequence_metadata_cu_seqlens_is_contiguous_like_upstreams(exact):
-    mask = torch.tensor([[1, 1, 2, 0, 5], [1, 1, 1, 0, 0]])
+def test_build_packed_sequence_metadata_cu_seqlens_is_a_new_tensor_like_upstreams(exact, mask):
+    """Contiguous, with upstream's strides, and no larger buffer kept alive behind it (batch one included)."""
+    mask = torch.tensor(mask)
     with mock.patch("packfn.metadata.exact_on_cpu", lambda *tensors: exact):
         ours = packfn.build_packed_sequence_metadata(mask)
-    assert ours["cu_seqlens"].is_contiguous()
-    assert_same(ours, upstream.build_packed_sequence_metadata(mask))
+    theirs = upstream.build_packed_sequence_metadata(mask)
+    assert ours["cu_seqlens"].stride() == theirs["cu_seqlens"].stride()
+    assert ours["cu_seqlens"].untyped_storage().nbytes() == ours["cu_seqlens"].nbytes
+    assert_same(ours, theirs)
+
+
+@pytest.mark.parametrize("exact", [True, False], ids=["exact_cpu_path", "static_path"])
+@pytest.mark.parametrize("lengths", [[[1, 2**63 - 1]], [[2**62, 2**62]], [[3, 2**63 - 2]]])
+def test_layout_lengths_near_int64s_limit_raise_upstreams_error(exact, lengths):
+    """Running sums of such spans wrapped int64 and hid the broken row; the tables are clamped past the row."""
+    lengths = torch.tensor(lengths)
+    kwargs = {"seq_lens_padded": None, "input_shape": (1, 8), "alignment": 1}
+    with pytest.raises(ValueError) as theirs:
+        upstream_packed_layout(lengths, **kwargs)
+    with mock.patch("packfn.layout.exact_on_cpu", lambda *tensors: exact), pytest.raises(ValueError) as ours:
+        packfn.packed_layout(lengths, **kwargs)
+    assert str(ours.value) == str(theirs.value)
+    assert packfn._ops.layout.aligned_layout(lengths, lengths, 8, 1, 8).broken.any()
+
+
+@pytest.mark.parametrize("with_numpy", [True, False])
+def test_get_unpad_data_indices_own_resizable_memory(with_numpy):
+    """The exact CPU path's positions (NumPy's) come back as a tensor that owns its memory, as aten's."""
+    mask = torch.tensor([[1, 1, 0, 2], [0, 3, 3, 0]])
+    with contextlib.nullcontext() if with_numpy else mock.patch("packfn._checks.numpy", None):
+        indices, cu_seqlens, _ = packfn.get_unpad_data(mask)
+    indices.resize_(16)
+    cu_seqlens.resize_(16)
+
+
+def test_jit_trace_of_a_drop_in_does_not_record_the_exact_path_as_constants():
+    traced = torch.jit.trace(lambda mask: packfn.get_unpad_data(mask)[0], torch.tensor([[1, 1, 0, 2]]))
+    other = torch.tensor([[0, 1, 1, 1]])
+    assert torch.equal(traced(other), packfn.get_unpad_data(other)[0])

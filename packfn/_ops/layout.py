@@ -83,7 +83,8 @@ class DocumentTable(NamedTuple):
     Attributes:
         lengths, spans: the raw tables.
         present: bool, which slots hold a document.
-        real: the real length ``n`` (0 for absent slots, clamped at 0).
+        real: the real length ``n`` (0 for absent slots, clamped to
+            ``[0, sequence_length + 1]``).
         input_bounds, aligned_bounds: ``[batch, documents + 1]`` running
             starts of the documents in the input row (by physical span) and
             in the aligned row (by ``n`` rounded up to ``alignment``), from 0
@@ -98,14 +99,19 @@ class DocumentTable(NamedTuple):
     aligned_bounds: torch.Tensor
 
     @classmethod
-    def build(cls, seq_lens: torch.Tensor, seq_lens_padded: torch.Tensor, alignment: int) -> DocumentTable:
+    def build(
+        cls, seq_lens: torch.Tensor, seq_lens_padded: torch.Tensor, alignment: int, sequence_length: int
+    ) -> DocumentTable:
         lengths = seq_lens.to(torch.int64)
         spans = seq_lens_padded.to(torch.int64)
         present = (lengths != 0) & (lengths != ABSENT)
         # Clamping keeps the bounds sorted even for broken data, so that the
-        # binary searches stay in range while the asserts report the rule.
-        real = torch.where(present, lengths, 0).clamp_min(0)
-        span = torch.where(present, spans, 0).clamp_min(0)
+        # binary searches stay in range while the asserts report the rule;
+        # past the row, one column more than the row tells as much as any
+        # length (a valid document fits the row) and keeps the running sums
+        # from wrapping int64 for lengths near its limit.
+        real = torch.where(present, lengths, 0).clamp(0, sequence_length + 1)
+        span = torch.where(present, spans, 0).clamp(0, sequence_length + 1)
         width = (real + alignment - 1) // alignment * alignment
         input_bounds = F.pad(span, (1, 0)).cumsum(1)
         aligned_bounds = F.pad(width, (1, 0)).cumsum(1)
@@ -244,7 +250,7 @@ def _aligned_layout(
     *,
     search_input: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    table = DocumentTable.build(seq_lens, seq_lens_padded, alignment)
+    table = DocumentTable.build(seq_lens, seq_lens_padded, alignment, sequence_length)
     longest, broken = table.checked(sequence_length, length)
     tables = layout_tables(table, sequence_length, alignment, length, search_input=search_input)
     return (*tables, longest, broken)
