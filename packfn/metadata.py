@@ -23,7 +23,7 @@ from typing import NamedTuple, TypedDict
 
 import torch
 
-from packfn._checks import check_mask, check_positive_int, cpu_nonzero, exact_on_cpu
+from packfn._checks import check_mask, check_positive_int, cpu_masked_select, cpu_nonzero, exact_on_cpu
 from packfn._ops import metadata as _ops
 from packfn._ops._registry import Rule, assert_rules, checked_ints
 
@@ -561,8 +561,5 @@ def flatten_packed_sequence_metadata(
     batch, sequence = packed_token_indices.shape
     row_offsets = torch.arange(0, batch * sequence, sequence, device=valid.device).unsqueeze(1)
     values = packed_token_indices.long() + row_offsets
-    if exact:
-        indices = values.reshape(-1).index_select(0, cpu_nonzero(valid.reshape(-1)))
-    else:
-        indices = torch.masked_select(values, valid)
+    indices = cpu_masked_select(values, valid) if exact else torch.masked_select(values, valid)
     return indices, flat_cu_seqlens[: documents + 1]
