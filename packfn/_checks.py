@@ -10,7 +10,15 @@ try:
 except ImportError:  # torch runs without numpy; so does packfn
     numpy = None
 
-__all__ = ["MASK_DTYPES", "check_mask", "check_positive_int", "cpu_masked_select", "cpu_nonzero", "exact_on_cpu"]
+__all__ = [
+    "MASK_DTYPES",
+    "check_mask",
+    "check_positive_int",
+    "cpu_count_nonzero_rows",
+    "cpu_masked_select",
+    "cpu_nonzero",
+    "exact_on_cpu",
+]
 
 MASK_DTYPES = frozenset({torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64})
 
@@ -87,3 +95,15 @@ def cpu_masked_select(values: torch.Tensor, flags: torch.Tensor) -> torch.Tensor
     if array is None or chosen is None:
         return torch.masked_select(values, flags)
     return torch.from_numpy(array[chosen]).clone()
+
+
+def cpu_count_nonzero_rows(flags: torch.Tensor) -> torch.Tensor:
+    """int64 ``[rows]``: ``flags.sum(dim=1)`` for a 2-d bool CPU tensor, by NumPy where it is installed.
+
+    aten's sum of bools first copies them to int64 (a temporary eight times
+    the flags, page faults included); NumPy counts in place.
+    """
+    array = _numpy_view(flags)
+    if array is None:
+        return flags.sum(dim=1)
+    return torch.from_numpy(numpy.count_nonzero(array, axis=1)).to(torch.int64, copy=True)

@@ -23,7 +23,14 @@ from typing import NamedTuple, TypedDict
 
 import torch
 
-from packfn._checks import check_mask, check_positive_int, cpu_masked_select, cpu_nonzero, exact_on_cpu
+from packfn._checks import (
+    check_mask,
+    check_positive_int,
+    cpu_count_nonzero_rows,
+    cpu_masked_select,
+    cpu_nonzero,
+    exact_on_cpu,
+)
 from packfn._ops import metadata as _ops
 from packfn._ops._registry import Rule, assert_rules, checked_ints
 
@@ -556,7 +563,8 @@ def flatten_packed_sequence_metadata(
         flat_cu_seqlens, _, num_documents = _ops.flat_boundaries(cu_seqlens)
     # The rule flags and the document count in one read, then the valid
     # tokens at their exact count (no permutation of the padding).
-    flags = torch.cat([_ops.flatten_violations(valid, cu_seqlens), (num_documents == 0).reshape(1)])
+    row_tokens = cpu_count_nonzero_rows(valid) if exact else valid.sum(dim=1)
+    flags = torch.cat([_ops.flatten_violations(row_tokens, cu_seqlens), (num_documents == 0).reshape(1)])
     (documents,) = checked_ints([num_documents], [cu_seqlens.numel()], flags, rules)
     batch, sequence = packed_token_indices.shape
     row_offsets = torch.arange(0, batch * sequence, sequence, device=valid.device).unsqueeze(1)

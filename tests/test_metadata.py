@@ -16,7 +16,7 @@ from nemo_automodel.components.models.common import packing as upstream_models
 from strategies import packing_masks
 
 import packfn
-from packfn._checks import cpu_masked_select, cpu_nonzero
+from packfn._checks import cpu_count_nonzero_rows, cpu_masked_select, cpu_nonzero
 
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 EXAMPLE = torch.tensor([[1, 1, 2, 2, 2, 0], [1, 1, 1, 1, 0, 0]])
@@ -87,8 +87,8 @@ def test_cpu_nonzero_is_torch_nonzero(with_numpy, flags):
 @pytest.mark.parametrize("with_numpy", [True, False])
 @SETTINGS
 @given(mask=packing_masks(max_batch=3, max_sequence=40), transpose=st.booleans())
-def test_cpu_masked_select_is_torch_masked_select(with_numpy, mask, transpose):
-    """flatten's exact CPU selection (NumPy's where installed) gives aten's values, in a tensor owning its memory."""
+def test_cpu_masked_select_and_row_counts_are_torchs(with_numpy, mask, transpose):
+    """flatten's exact CPU selection and row counts (NumPy's where installed) are aten's; values own memory."""
     values = mask.long() * 7 - 3
     flags = mask != 0
     if transpose:  # non-contiguous operands
@@ -97,6 +97,9 @@ def test_cpu_masked_select_is_torch_masked_select(with_numpy, mask, transpose):
         selected = cpu_masked_select(values, flags)
     assert torch.equal(selected, torch.masked_select(values, flags))
     selected.resize_(selected.numel() + 1)
+    with contextlib.nullcontext() if with_numpy else mock.patch("packfn._checks.numpy", None):
+        counts = cpu_count_nonzero_rows(flags)
+    assert_same(counts, flags.sum(dim=1))
 
 
 @SETTINGS

@@ -338,8 +338,8 @@ FLATTEN_RULES = (
 """Data rules of batch-major metadata, in the order of the flatten op's flags."""
 
 
-def flatten_violations(valid_tokens: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
-    """Bool ``[len(FLATTEN_RULES)]``: the broken rules of batch-major metadata (``valid_tokens``: bool ``[B, S]``)."""
+def flatten_violations(row_tokens: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """Bool ``[len(FLATTEN_RULES)]``: broken rules of batch-major metadata (``row_tokens``: valid tokens a row)."""
     valid_bounds = cu_seqlens >= 0
     after_gap = valid_bounds & ((~valid_bounds).cumsum(dim=1) > 0)
     pairs = valid_bounds[:, 1:] & valid_bounds[:, :-1]
@@ -351,7 +351,7 @@ def flatten_violations(valid_tokens: torch.Tensor, cu_seqlens: torch.Tensor) -> 
             ((count == 0) | (cu_seqlens[:, 0] != 0)).any(),
             decreasing.any(),
             after_gap.any(),
-            (last != valid_tokens.sum(dim=1)).any(),
+            (last != row_tokens).any(),
         ]
     )
 
@@ -418,5 +418,5 @@ def flatten_metadata(
     values = torch.where(valid, packed_token_indices + row_offsets, positions.view(batch, sequence))
     indices, _ = _valid_first(valid.reshape(-1), values.reshape(-1))
     flat_cu_seqlens, total, num_documents = flat_boundaries(cu_seqlens)
-    broken = flatten_violations(valid, cu_seqlens)
+    broken = flatten_violations(valid.sum(dim=1), cu_seqlens)
     return indices, flat_cu_seqlens, total, num_documents, broken
