@@ -305,8 +305,8 @@ def _dropin_rules(
 # static kernel, on outputs of the real size, which the drop-ins then trim
 # as they trim the static op's (a no-op); the batch-major boundaries are
 # scattered from the documents' rows. packed_layout reads its row length
-# from the small document table first, then builds the tables of the
-# aligned_layout op's eager kernel from that document table at that length. The
+# from the small document table first, then builds the aligned_layout
+# eager kernel's tables from that document table at that length. The
 # rules and messages are the same (``checked_ints``), and tests hold both
 # paths equal on generated inputs, broken ones included. Under
 # torch.compile, torch.export, a dispatch mode or on another device the

@@ -60,7 +60,7 @@ def test_eager_kernel_reports_the_same_first_broken_rule(op, name):
 @settings(max_examples=150, deadline=None)
 @given(inputs=layout_inputs(broken=True), data=st.data())
 def test_layout_eager_kernel_matches_decomposition(inputs, data):
-    """``aligned_layout``'s eager ``input_positions`` (a scatter) is its decomposition's (a search per column)."""
+    """``aligned_layout``'s eager ``input_positions`` (an indexed write) equals its decomposition's (a search)."""
     op = layout_ops.aligned_layout
     assert op.eager is not op.math
     batch, sequence = inputs.input_shape

@@ -279,7 +279,7 @@ def _inverse(source_indices: torch.Tensor, sequence_length: int) -> torch.Tensor
 def _aligned_layout_eager(
     seq_lens: torch.Tensor, seq_lens_padded: torch.Tensor, sequence_length: int, alignment: int, length: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The eager kernel (NOTE [Eager kernels]): ``input_positions`` by one scatter, not a search per input column."""
+    """The eager kernel (NOTE [Eager kernels]): ``input_positions`` by one indexed write, not a search per column."""
     return _aligned_layout(seq_lens, seq_lens_padded, sequence_length, alignment, length, search_input=False)
 
 
