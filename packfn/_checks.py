@@ -47,13 +47,10 @@ def check_positive_int(value: object, name: str) -> int:
 def exact_on_cpu(*tensors: torch.Tensor) -> bool:
     """Whether a drop-in may work at exact sizes (NOTE [Exact sizes on the CPU] in :mod:`packfn.metadata`).
 
-    Plain CPU tensors in eager: not traced (by Dynamo or ``torch.jit.trace``,
-    which would record the exact sizes as constants), under no dispatch
-    mode, no subclass.
+    Plain CPU tensors in eager: not traced, under no dispatch mode, no subclass.
     """
     return (
         not torch.compiler.is_compiling()
-        and not torch.jit.is_tracing()
         and _get_current_dispatch_mode() is None
         and all(type(tensor) is torch.Tensor and tensor.device.type == "cpu" for tensor in tensors)
     )

@@ -29,7 +29,7 @@ import torch
 
 from packfn._checks import check_positive_int, exact_on_cpu
 from packfn._ops import layout as _ops
-from packfn._ops._registry import assert_rules, checked_ints
+from packfn._ops._registry import assert_rules, checked_ints, refuse_jit_trace
 
 __all__ = ["PackedSequenceLayout", "aligned_layout", "aligned_length", "packed_layout"]
 
@@ -292,6 +292,7 @@ def packed_layout(
             ``torch.compile`` / ``torch.export`` the data errors are
             sync-free asserts (``RuntimeError``) with the same messages.
     """
+    refuse_jit_trace()
     if alignment < 1:
         raise ValueError("Packed alignment must be positive")
     _check_lengths(seq_lens, "seq_lens")

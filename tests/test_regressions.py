@@ -635,7 +635,22 @@ def test_get_unpad_data_indices_own_resizable_memory(with_numpy):
     cu_seqlens.resize_(16)
 
 
-def test_jit_trace_of_a_drop_in_does_not_record_the_exact_path_as_constants():
-    traced = torch.jit.trace(lambda mask: packfn.get_unpad_data(mask)[0], torch.tensor([[1, 1, 0, 2]]))
-    other = torch.tensor([[0, 1, 1, 1]])
-    assert torch.equal(traced(other), packfn.get_unpad_data(other)[0])
+@pytest.mark.parametrize("exact", [True, False], ids=["exact_cpu_path", "static_path"])
+@pytest.mark.parametrize(
+    "dropin",
+    [
+        lambda mask: packfn.get_unpad_data(mask)[0],
+        lambda mask: packfn.get_seqlens_in_batch(mask),
+        lambda mask: packfn.build_packed_sequence_metadata(mask)["cu_seqlens"],
+        lambda mask: packfn.packed_layout(mask, seq_lens_padded=None, input_shape=(1, 8), alignment=2).sequence_ids,
+    ],
+    ids=["get_unpad_data", "get_seqlens_in_batch", "build_packed_sequence_metadata", "packed_layout"],
+)
+def test_jit_trace_of_a_drop_in_raises_rather_than_record_data_sized_outputs(dropin, exact):
+    """A trace would keep the sizes read from its example (silently wrong on other data), so the drop-ins refuse it."""
+    with (
+        mock.patch("packfn.metadata.exact_on_cpu", lambda *tensors: exact),
+        mock.patch("packfn.layout.exact_on_cpu", lambda *tensors: exact),
+        pytest.raises(RuntimeError, match=re.escape("which torch.jit.trace records as constants")),
+    ):
+        torch.jit.trace(dropin, torch.tensor([[1, 1, 0, 2]]))

@@ -50,6 +50,7 @@ __all__ = [
     "named_value",
     "packfn_op",
     "python_ints",
+    "refuse_jit_trace",
 ]
 
 
@@ -234,6 +235,15 @@ def assert_rules(broken: torch.Tensor, rules: tuple[Rule, ...], *, drop_in: bool
         torch._assert_async(~broken[index], rule.drop_in if drop_in else rule.message)
 
 
+def refuse_jit_trace() -> None:
+    """Raise under ``torch.jit.trace``, which would keep what a drop-in reads from the data as constants."""
+    if torch.jit.is_tracing():
+        raise RuntimeError(
+            "packfn's drop-ins size their outputs and check their inputs by the data, which torch.jit.trace "
+            "records as constants; use torch.export or torch.compile (or the static API) instead"
+        )
+
+
 def checked_ints(
     values: list[torch.Tensor], bounds: list[int], broken: torch.Tensor, rules: tuple[Rule, ...]
 ) -> tuple[int, ...]:
@@ -244,11 +254,13 @@ def checked_ints(
     Eager: one host sync reads the values and the flags together, then a
     ``ValueError`` carries the first broken rule's upstream message. Under
     torch.compile / torch.export: sync-free asserts with the same messages,
-    and unbacked SymInts.
+    and unbacked SymInts. Under ``torch.jit.trace``: a ``RuntimeError``,
+    since the trace would keep the values read as constants.
     """
     if torch.compiler.is_compiling():
         assert_rules(broken, rules, drop_in=True)
         return python_ints(values, bounds)
+    refuse_jit_trace()
     # One read of the flags and the values together.
     read = torch.cat([broken.to(torch.int64), *(value.reshape(1).to(torch.int64) for value in values)]).tolist()
     for flag, rule in zip(read[: len(rules)], rules, strict=True):
