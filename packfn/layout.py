@@ -322,7 +322,7 @@ def packed_layout(
         # from the document table, then the op's eager tables from the same
         # table at that length.
         table = _ops.DocumentTable.build(lengths, spans, alignment, sequence)
-        longest, broken = table.checked(sequence, bound)
+        longest, broken = table.checked(bound)
     else:
         layout = _ops.aligned_layout(lengths, spans, sequence, alignment, bound)
         longest, broken = layout.longest, layout.broken
@@ -330,7 +330,7 @@ def packed_layout(
     (row_length,) = checked_ints([need], [bound], broken, _ops.layout_rules(bound))
     if exact:
         source_indices, position_ids, sequence_ids, input_positions = _ops.layout_tables(
-            table, sequence, alignment, row_length, search_input=False
+            table, row_length, search_input=False
         )
         return PackedSequenceLayout(source_indices, input_positions, position_ids, sequence_ids)
     # The first row_length columns as new contiguous tensors (like upstream's

@@ -89,6 +89,8 @@ class DocumentTable(NamedTuple):
             starts of the documents in the input row (by physical span) and
             in the aligned row (by ``n`` rounded up to ``alignment``), from 0
             to the row total.
+        sequence_length, alignment: the input row and the alignment the
+            table was built for.
     """
 
     lengths: torch.Tensor
@@ -97,6 +99,8 @@ class DocumentTable(NamedTuple):
     real: torch.Tensor
     input_bounds: torch.Tensor
     aligned_bounds: torch.Tensor
+    sequence_length: int
+    alignment: int
 
     @classmethod
     def build(
@@ -115,9 +119,9 @@ class DocumentTable(NamedTuple):
         width = (real + alignment - 1) // alignment * alignment
         input_bounds = F.pad(span, (1, 0)).cumsum(1)
         aligned_bounds = F.pad(width, (1, 0)).cumsum(1)
-        return cls(lengths, spans, present, real, input_bounds, aligned_bounds)
+        return cls(lengths, spans, present, real, input_bounds, aligned_bounds, sequence_length, alignment)
 
-    def violations(self, sequence_length: int) -> torch.Tensor:
+    def violations(self) -> torch.Tensor:
         """Bool ``[batch, documents, 4]``: which of the first four :func:`layout_rules` each document breaks.
 
         A document breaks the span rule when its span ends past the row,
@@ -128,12 +132,12 @@ class DocumentTable(NamedTuple):
         absent_with_span = ~present & (self.spans != 0) & (self.spans != ABSENT)
         negative = present & (self.lengths < 0)
         short_span = present & (self.spans < self.lengths)
-        past_row = present & (self.input_bounds[:, 1:] > sequence_length)
+        past_row = present & (self.input_bounds[:, 1:] > self.sequence_length)
         return torch.stack([absent_with_span, negative, short_span, past_row], dim=-1)
 
-    def first_violations(self, sequence_length: int) -> torch.Tensor:
+    def first_violations(self) -> torch.Tensor:
         """Bool ``[4]``: the rules broken by the first broken document (row-major), all False if none is."""
-        per_document = F.pad(self.violations(sequence_length).flatten(0, 1), (0, 0, 0, 1))
+        per_document = F.pad(self.violations().flatten(0, 1), (0, 0, 0, 1))
         first = per_document.any(-1).to(torch.int8).argmax()
         return per_document.index_select(0, first.reshape(1)).squeeze(0)
 
@@ -141,10 +145,10 @@ class DocumentTable(NamedTuple):
         """0-d int64: the longest aligned row (0 without documents, and for an empty batch)."""
         return F.pad(self.aligned_bounds[:, -1], (0, 1)).max()
 
-    def checked(self, sequence_length: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def checked(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(longest, broken)``: :meth:`longest` and the flags of :func:`layout_rules` for a row of ``length``."""
         longest = self.longest()
-        return longest, torch.cat([self.first_violations(sequence_length), (longest > length).reshape(1)])
+        return longest, torch.cat([self.first_violations(), (longest > length).reshape(1)])
 
 
 def _slots(bounds: torch.Tensor, starts: torch.Tensor, limit) -> torch.Tensor:
@@ -193,7 +197,7 @@ class AlignedLayoutOutputs(NamedTuple):
 
 
 def layout_tables(
-    table: DocumentTable, sequence_length: int, alignment: int, length: int, *, search_input: bool
+    table: DocumentTable, length: int, *, search_input: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``source_indices``, ``position_ids``, ``sequence_ids``, ``input_positions`` of ``table``'s layout.
 
@@ -204,6 +208,7 @@ def layout_tables(
     same wherever the layout rules hold.
     """
     real, input_bounds, aligned_bounds = table.real, table.input_bounds, table.aligned_bounds
+    sequence_length, alignment = table.sequence_length, table.alignment
     batch, device = real.shape[0], real.device
     # Slot `documents` (past the last document) reads a real length of 0, so
     # every column it gets is padding.
@@ -251,8 +256,8 @@ def _aligned_layout(
     search_input: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     table = DocumentTable.build(seq_lens, seq_lens_padded, alignment, sequence_length)
-    longest, broken = table.checked(sequence_length, length)
-    tables = layout_tables(table, sequence_length, alignment, length, search_input=search_input)
+    longest, broken = table.checked(length)
+    tables = layout_tables(table, length, search_input=search_input)
     return (*tables, longest, broken)
 
 
