@@ -558,12 +558,13 @@ def flatten_packed_sequence_metadata(
         lengths = (cu_seqlens[:, 1:] - cu_seqlens[:, :-1])[valid_bounds[:, 1:] & valid_bounds[:, :-1]]
         flat_cu_seqlens = torch.cat([lengths.new_zeros(1), lengths.cumsum(0, dtype=cu_seqlens.dtype)])
         num_documents = valid_bounds.new_full((), lengths.numel(), dtype=torch.int64)
+        row_tokens = cpu_count_nonzero_rows(valid)
     else:
         # Elsewhere in eager: the static boundaries, trimmed below.
         flat_cu_seqlens, _, num_documents = _ops.flat_boundaries(cu_seqlens)
+        row_tokens = valid.sum(dim=1)
     # The rule flags and the document count in one read, then the valid
     # tokens at their exact count (no permutation of the padding).
-    row_tokens = cpu_count_nonzero_rows(valid) if exact else valid.sum(dim=1)
     flags = torch.cat([_ops.flatten_violations(row_tokens, cu_seqlens), (num_documents == 0).reshape(1)])
     (documents,) = checked_ints([num_documents], [cu_seqlens.numel()], flags, rules)
     batch, sequence = packed_token_indices.shape
