@@ -12,9 +12,9 @@ Drop-in API (:func:`get_seqlens_in_batch`, :func:`get_unpad_data`,
 :func:`flatten_packed_sequence_metadata`): exactly the outputs of
 ``nemo_automodel`` 0.7.0, built as the static op followed by one trim to the
 data-dependent size (a host sync in eager, an unbacked size under
-``torch.compile`` and ``torch.export``, never a graph break); on a CPU
-tensor in eager, three of them work at exact sizes from the start (NOTE
-[Exact sizes on the CPU]).
+``torch.compile`` and ``torch.export``, never a graph break); on CPU
+tensors in eager they work at exact sizes from the start (NOTE [Exact sizes
+on the CPU]).
 """
 
 from __future__ import annotations
@@ -23,16 +23,10 @@ from typing import NamedTuple, TypedDict
 
 import torch
 
-from packfn._checks import (
-    check_mask,
-    check_positive_int,
-    cpu_count_nonzero_rows,
-    cpu_masked_select,
-    cpu_nonzero,
-    exact_on_cpu,
-)
+from packfn import _checks
+from packfn._checks import check_mask, check_positive_int, cpu_nonzero, exact_on_cpu, numpy_views
 from packfn._ops import metadata as _ops
-from packfn._ops._registry import Rule, assert_rules, checked_ints
+from packfn._ops._registry import Rule, assert_rules, checked_ints, refuse_jit_trace
 
 __all__ = [
     "BatchMetadata",
@@ -304,7 +298,10 @@ def _dropin_rules(
 # a second ``nonzero`` their starts: about half the aten calls of the
 # static kernel, on outputs of the real size, which the drop-ins then trim
 # as they trim the static op's (a no-op); the batch-major boundaries are
-# scattered from the documents' rows. packed_layout reads its row length
+# scattered from the documents' rows. flatten_packed_sequence_metadata
+# checks and flattens batch-major metadata in NumPy, where it is installed,
+# on views of its inputs (its work is mostly on a few dozen boundaries,
+# where a call's overhead is its cost). packed_layout reads its row length
 # from the small document table first, then builds the aligned_layout
 # eager kernel's tables from that document table at that length. The
 # rules and messages are the same (``checked_ints``), and tests hold both
@@ -549,26 +546,66 @@ def flatten_packed_sequence_metadata(
             [flat.num_tokens, flat.num_documents], [packed_token_indices.numel(), cu_seqlens.numel()], flags, rules
         )
         return flat.indices[:tokens], flat.cu_seqlens[: documents + 1]
+    if exact_on_cpu(packed_token_indices, cu_seqlens):
+        exact = _exact_flatten(packed_token_indices, cu_seqlens, rules)
+        if exact is not None:
+            return exact
+    # Elsewhere in eager: the static boundaries, trimmed; the rule flags and
+    # the document count in one read, then the valid tokens at their exact
+    # count (no permutation of the padding).
     valid = packed_token_indices >= 0
-    exact = exact_on_cpu(packed_token_indices, cu_seqlens)
-    if exact:
-        # NOTE [Exact sizes on the CPU]: the documents are the differences of
-        # neighbouring valid boundaries (a prefix of each row once the rules hold).
-        valid_bounds = cu_seqlens >= 0
-        lengths = (cu_seqlens[:, 1:] - cu_seqlens[:, :-1])[valid_bounds[:, 1:] & valid_bounds[:, :-1]]
-        flat_cu_seqlens = torch.cat([lengths.new_zeros(1), lengths.cumsum(0, dtype=cu_seqlens.dtype)])
-        num_documents = valid_bounds.new_full((), lengths.numel(), dtype=torch.int64)
-        row_tokens = cpu_count_nonzero_rows(valid)
-    else:
-        # Elsewhere in eager: the static boundaries, trimmed below.
-        flat_cu_seqlens, _, num_documents = _ops.flat_boundaries(cu_seqlens)
-        row_tokens = valid.sum(dim=1)
-    # The rule flags and the document count in one read, then the valid
-    # tokens at their exact count (no permutation of the padding).
-    flags = torch.cat([_ops.flatten_violations(row_tokens, cu_seqlens), (num_documents == 0).reshape(1)])
+    flat_cu_seqlens, _, num_documents = _ops.flat_boundaries(cu_seqlens)
+    flags = torch.cat([_ops.flatten_violations(valid.sum(dim=1), cu_seqlens), (num_documents == 0).reshape(1)])
     (documents,) = checked_ints([num_documents], [cu_seqlens.numel()], flags, rules)
     batch, sequence = packed_token_indices.shape
     row_offsets = torch.arange(0, batch * sequence, sequence, device=valid.device).unsqueeze(1)
-    values = packed_token_indices.long() + row_offsets
-    indices = cpu_masked_select(values, valid) if exact else torch.masked_select(values, valid)
+    indices = torch.masked_select(packed_token_indices.long() + row_offsets, valid)
     return indices, flat_cu_seqlens[: documents + 1]
+
+
+def _exact_flatten(
+    packed_token_indices: torch.Tensor, cu_seqlens: torch.Tensor, rules: tuple[Rule, ...]
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The batch-major case of :func:`flatten_packed_sequence_metadata` for CPU tensors, by NumPy (None without it).
+
+    NOTE [Exact sizes on the CPU]: the documents are the differences of
+    neighbouring valid boundaries, and the rules are those of
+    :func:`packfn._ops.metadata.flatten_violations` (then no document), each
+    raising its drop-in message. Some 25 NumPy calls on views of the inputs
+    replace some 60 aten calls, most of them on a few dozen boundaries,
+    where a call's overhead is its cost. The views are DLPack's, so the
+    inputs stay as they were and the outputs, torch tensors that NumPy
+    writes into, stay resizable (as aten's).
+    """
+    views = numpy_views(packed_token_indices, cu_seqlens)
+    if views is None:
+        return None
+    refuse_jit_trace()  # NumPy's work is invisible to a trace
+    numpy = _checks.numpy
+    columns, bounds = views
+    batch, sequence = columns.shape
+    valid = columns >= 0
+    row_tokens = numpy.count_nonzero(valid, axis=1)
+    valid_bounds = bounds >= 0
+    count = numpy.count_nonzero(valid_bounds, axis=1)
+    lengths = (bounds[:, 1:] - bounds[:, :-1])[valid_bounds[:, 1:] & valid_bounds[:, :-1]]
+    last = bounds[numpy.arange(batch), numpy.maximum(count - 1, 0)]
+    flags = (
+        (count == 0).any() or (bounds[:, 0] != 0).any(),
+        (lengths < 0).any(),
+        (valid_bounds & (numpy.cumsum(~valid_bounds, axis=1) > 0)).any(),
+        (last != row_tokens).any(),
+        lengths.size == 0,
+    )
+    for flag, rule in zip(flags, rules, strict=True):
+        if flag:
+            raise ValueError(rule.drop_in)
+    indices = torch.empty(int(row_tokens.sum()), dtype=torch.int64)
+    flat_cu_seqlens = torch.empty(lengths.size + 1, dtype=cu_seqlens.dtype)
+    # Writeable as the inputs' views were (the same bridge).
+    selected, boundaries = numpy_views(indices, flat_cu_seqlens)
+    row_offsets = numpy.repeat(numpy.arange(0, batch * sequence, sequence, dtype=numpy.int64), row_tokens)
+    numpy.add(columns[valid], row_offsets, out=selected, dtype=numpy.int64, casting="unsafe")
+    boundaries[0] = 0
+    numpy.cumsum(lengths, dtype=boundaries.dtype, out=boundaries[1:])
+    return indices, flat_cu_seqlens

@@ -16,7 +16,7 @@ from nemo_automodel.components.models.common import packing as upstream_models
 from strategies import packing_masks
 
 import packfn
-from packfn._checks import cpu_count_nonzero_rows, cpu_masked_select, cpu_nonzero
+from packfn._checks import cpu_nonzero
 
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 EXAMPLE = torch.tensor([[1, 1, 2, 2, 2, 0], [1, 1, 1, 1, 0, 0]])
@@ -86,20 +86,24 @@ def test_cpu_nonzero_is_torch_nonzero(with_numpy, flags):
 
 @pytest.mark.parametrize("with_numpy", [True, False])
 @SETTINGS
-@given(mask=packing_masks(max_batch=3, max_sequence=40), transpose=st.booleans())
-def test_cpu_masked_select_and_row_counts_are_torchs(with_numpy, mask, transpose):
-    """flatten's exact CPU selection and row counts (NumPy's where installed) are aten's; values own memory."""
-    values = mask.long() * 7 - 3
-    flags = mask != 0
-    if transpose:  # non-contiguous operands
-        values, flags = values.t(), flags.t()
+@given(mask=packing_masks(max_batch=3, max_sequence=40), strided=st.booleans())
+def test_flatten_exact_path_on_strided_inputs_and_without_numpy(with_numpy, mask, strided):
+    """flatten's exact CPU path (NumPy views; the static path without NumPy) on column-major inputs too.
+
+    The results equal upstream's on the contiguous inputs and own resizable memory.
+    """
+    assume(fits_dtype(mask) and mask.any())
+    metadata = upstream.build_packed_sequence_metadata(mask)
+    arguments = (metadata["packed_token_indices"], metadata["cu_seqlens"])
+    keywords = {"batch_size": mask.shape[0], "sequence_length": mask.shape[1]}
+    expected = upstream_models.flatten_packed_sequence_metadata(*arguments, **keywords)
+    if strided:  # the same values, column-major
+        arguments = tuple(tensor.t().contiguous().t() for tensor in arguments)
     with contextlib.nullcontext() if with_numpy else mock.patch("packfn._checks.numpy", None):
-        selected = cpu_masked_select(values, flags)
-    assert torch.equal(selected, torch.masked_select(values, flags))
-    selected.resize_(selected.numel() + 1)
-    with contextlib.nullcontext() if with_numpy else mock.patch("packfn._checks.numpy", None):
-        counts = cpu_count_nonzero_rows(flags)
-    assert_same(counts, flags.sum(dim=1))
+        ours = packfn.flatten_packed_sequence_metadata(*arguments, **keywords)
+    assert_same(ours, expected)
+    for tensor in (*arguments, *ours):  # NumPy pinned no storage
+        tensor.resize_(tensor.numel() + 1)
 
 
 @SETTINGS
