@@ -591,7 +591,7 @@ def _exact_flatten(
     lengths = (bounds[:, 1:] - bounds[:, :-1])[valid_bounds[:, 1:] & valid_bounds[:, :-1]]
     last = bounds[numpy.arange(batch), numpy.maximum(count - 1, 0)]
     flags = (
-        (count == 0).any() or (bounds[:, 0] != 0).any(),
+        (bounds[:, 0] != 0).any(),  # also where a row has no valid boundary
         (lengths < 0).any(),
         (valid_bounds & (numpy.cumsum(~valid_bounds, axis=1) > 0)).any(),
         (last != row_tokens).any(),

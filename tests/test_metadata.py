@@ -187,6 +187,30 @@ def test_flatten_packed_sequence_metadata_rejects_what_upstream_rejects(exact, b
     assert_same_outcome(ours, theirs)
 
 
+# Batch-major metadata that breaks one rule of FLATTEN_RULES (or has no
+# document), where packfn's other rules hold: (packed_token_indices, cu_seqlens).
+BROKEN_BATCH_METADATA = {
+    "decreasing": ([[0, 1]], [[0, 3, 2]]),
+    "boundary_after_a_gap": ([[0, 1]], [[0, -1, 2, 2]]),
+    "first_boundary_not_zero": ([[0, 1]], [[1, 2]]),
+    "last_boundary_not_the_row_tokens": ([[0, 1, 2]], [[0, 1, 2]]),
+    "no_valid_boundary": ([[0], [-1]], [[0, 1], [-1, -1]]),
+    "no_document": ([[-1, -1]], [[0, -1]]),
+}
+
+
+@pytest.mark.parametrize("exact", [True, False], ids=["exact_cpu_path", "static_path"])
+@pytest.mark.parametrize("name", BROKEN_BATCH_METADATA)
+def test_flatten_packed_sequence_metadata_rejects_each_broken_rule(exact, name):
+    indices, bounds = (torch.tensor(rows) for rows in BROKEN_BATCH_METADATA[name])
+    keywords = {"batch_size": indices.shape[0], "sequence_length": indices.shape[1]}
+    with contextlib.nullcontext() if exact else static_path_on_cpu():
+        ours = outcome(packfn.flatten_packed_sequence_metadata, indices, bounds.int(), **keywords)
+    theirs = outcome(upstream_models.flatten_packed_sequence_metadata, indices, bounds.int(), **keywords)
+    assert theirs[0] == "error"
+    assert_same_outcome(ours, theirs)
+
+
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.integers(-1, 6), min_size=0, max_size=5), st.integers(0, 6))
 def test_flatten_packed_sequence_metadata_flat_errors_match_upstream(bounds, tokens):

@@ -348,7 +348,7 @@ def flatten_violations(row_tokens: torch.Tensor, cu_seqlens: torch.Tensor) -> to
     last = cu_seqlens.gather(1, (count - 1).clamp_min(0).unsqueeze(1)).squeeze(1)
     return torch.stack(
         [
-            ((count == 0) | (cu_seqlens[:, 0] != 0)).any(),
+            (cu_seqlens[:, 0] != 0).any(),  # also where a row has no valid boundary
             decreasing.any(),
             after_gap.any(),
             (last != row_tokens).any(),
