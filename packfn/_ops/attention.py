@@ -177,21 +177,30 @@ class PhysicalVarlenOutputs(NamedTuple):
     num_segments: torch.Tensor  # int64 0-d
 
 
+_SPARE_BLOCK = 4096
+
+
 @packfn_op("physical_varlen_metadata", fake=_physical_varlen_metadata_fake, outputs=PhysicalVarlenOutputs)
 def physical_varlen_metadata(
     document_ids: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     starts = segment_starts(document_ids).reshape(-1)
-    positions = torch.arange(starts.numel(), device=starts.device)
-    num_segments = starts.sum()
+    total = starts.numel()
+    positions = torch.arange(total, device=starts.device)
     # Boundary k is the position of the (k+1)-th start, the total once k
-    # passes the last segment (empty trailing segments).
-    slots = starts.numel() + 1
-    boundaries = _compact(starts, positions, slots, search=False)
-    cu_seqlens = torch.where(torch.arange(slots, device=starts.device) < num_segments, boundaries, starts.numel())
-    cu_seqlens = cu_seqlens.to(torch.int32)
+    # passes the last segment (empty trailing segments): the k-th start is
+    # scattered to slot k of a buffer filled with the total, in the output's
+    # dtype, so no pass fills the tail. Every other position goes to a spare
+    # slot past the cut, one per _SPARE_BLOCK positions, each on a cache
+    # line of its own (one shared slot serializes the threads' stores).
+    slots = total + 1
+    spare = slots + torch.div(positions, _SPARE_BLOCK, rounding_mode="floor") * 16
+    target = torch.where(starts, starts.cumsum(0) - 1, spare)
+    size = slots + (total + _SPARE_BLOCK - 1) // _SPARE_BLOCK * 16
+    buffer = torch.full((size,), total, device=starts.device).to(torch.int32)
+    cu_seqlens = buffer.scatter_(0, target, positions.to(torch.int32))[:slots]
     max_seqlen = (cu_seqlens[1:] - cu_seqlens[:-1]).max()
-    return cu_seqlens, max_seqlen, num_segments
+    return cu_seqlens, max_seqlen, starts.sum()
 
 
 # ------------------------------------------------------------ flex attention
