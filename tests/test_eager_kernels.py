@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from strategies import packing_masks
 from strategies_layout import layout_inputs
 
+from packfn._ops import attention as attention_ops
 from packfn._ops import layout as layout_ops
 from packfn._ops import metadata as ops
 
@@ -70,3 +71,24 @@ def test_layout_eager_kernel_matches_decomposition(inputs, data):
     need = int(layout_ops.DocumentTable.build(lengths, spans, alignment, sequence).longest())
     blocks = data.draw(st.integers(max(0, -(-need // alignment) - 1), -(-need // alignment) + 2), label="blocks")
     assert_same_outputs(op, lengths, spans, sequence, alignment, blocks * alignment)
+
+
+@st.composite
+def any_ids(draw) -> torch.Tensor:
+    """``[batch, sequence]`` ids of any values (the physical view has no rules), in a mask dtype."""
+    batch, sequence = draw(st.integers(1, 3)), draw(st.integers(1, 40))
+    dtype = draw(st.sampled_from([torch.bool, torch.uint8, torch.int32, torch.int64]))
+    low = -3 if dtype.is_signed else 0
+    values = draw(st.lists(st.integers(low, 3), min_size=batch * sequence, max_size=batch * sequence))
+    return torch.tensor(values).reshape(batch, sequence).to(dtype)
+
+
+@settings(max_examples=150, deadline=None)
+@given(ids=any_ids(), transpose=st.booleans())
+def test_physical_varlen_eager_kernel_matches_decomposition(ids, transpose):
+    """``physical_varlen_metadata``'s CPU eager kernel (one ``nonzero``) equals its decomposition (a scatter)."""
+    op = attention_ops.physical_varlen_metadata
+    assert op.eager is not op.math
+    if transpose:  # a non-contiguous input
+        ids = ids.t().contiguous().t()
+    assert_same(tuple(op.eager(ids)), tuple(op.math(ids)))

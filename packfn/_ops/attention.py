@@ -180,7 +180,28 @@ class PhysicalVarlenOutputs(NamedTuple):
 _SPARE_BLOCK = 4096
 
 
-@packfn_op("physical_varlen_metadata", fake=_physical_varlen_metadata_fake, outputs=PhysicalVarlenOutputs)
+def _physical_varlen_metadata_eager(document_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """On the CPU, the starts' positions by one ``nonzero`` written over the total (NOTE [Eager kernels]).
+
+    Nothing to synchronize with there, and some six aten calls instead of
+    the decomposition's dozen passes over ``batch * sequence``. Elsewhere
+    (``nonzero`` would sync with the device) the decomposition.
+    """
+    if document_ids.device.type != "cpu":
+        return tuple(physical_varlen_metadata.math(document_ids))
+    starts = segment_starts(document_ids).reshape(-1).nonzero().squeeze(1)
+    total = document_ids.numel()
+    cu_seqlens = torch.full((total + 1,), total, dtype=torch.int32)
+    cu_seqlens[: starts.numel()] = starts
+    return cu_seqlens, cu_seqlens.diff().max(), cu_seqlens.new_full((), starts.numel(), dtype=torch.int64)
+
+
+@packfn_op(
+    "physical_varlen_metadata",
+    fake=_physical_varlen_metadata_fake,
+    outputs=PhysicalVarlenOutputs,
+    eager=_physical_varlen_metadata_eager,
+)
 def physical_varlen_metadata(
     document_ids: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
