@@ -60,9 +60,11 @@ def _numpy_view(tensor: torch.Tensor):
 
     By DLPack: unlike ``tensor.numpy()``, which marks the storage as not
     resizable for good, it leaves the tensor (a caller's input, or an output
-    NumPy writes into) exactly as it was.
+    NumPy writes into) exactly as it was. A wrapper of functorch
+    (``functionalize``, ``vmap``, ``grad``), a plain ``torch.Tensor`` by
+    type, gets none: DLPack would export memory that is not its values.
     """
-    if numpy is None:
+    if numpy is None or torch._C._functorch.is_functorch_wrapped_tensor(tensor) or torch._is_functional_tensor(tensor):
         return None
     try:
         return numpy.from_dlpack(tensor)

@@ -150,8 +150,9 @@ def physical_varlen_metadata(document_ids: torch.Tensor) -> PhysicalVarlenMetada
         ``max_seqlen = 4``, ``num_segments = 5``.
 
     Raises:
-        ValueError: as :func:`block_causal_mask`.
-        RuntimeError: as :func:`block_causal_mask`.
+        ValueError: the mask is not a non-empty ``[batch, sequence]`` integer
+            or bool tensor. Any ids are valid: segments are runs of equal
+            ids, whatever their values or order (as upstream's).
     """
     check_mask(document_ids, name="document_ids")
     return PhysicalVarlenMetadata(*_ops.physical_varlen_metadata(document_ids), document_ids.shape[1])
@@ -188,8 +189,9 @@ def packed_seq_params_from_doc_ids(doc_ids: torch.Tensor) -> PackedSeqParams:
         ``([0, 2, 5, 6, 10, 12], 4, doc_ids)``.
 
     Raises:
-        ValueError: ``doc_ids`` is not 2-D (upstream's message), is empty or
-            floating, or has negative or decreasing ids.
+        ValueError: ``doc_ids`` is not 2-D (upstream's message), or is empty
+            or floating. Any ids are valid, negative or decreasing ones
+            included (as upstream's): segments are runs of equal ids.
     """
     if isinstance(doc_ids, torch.Tensor) and doc_ids.dim() != 2:
         raise ValueError(f"doc_ids must be 2D [batch, sequence], got shape {tuple(doc_ids.shape)}")

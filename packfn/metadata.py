@@ -563,6 +563,10 @@ def flatten_packed_sequence_metadata(
     return indices, flat_cu_seqlens[: documents + 1]
 
 
+# The dtypes NumPy and every torch op of the other paths share.
+_NUMPY_INTEGERS = frozenset({torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64})
+
+
 def _exact_flatten(
     packed_token_indices: torch.Tensor, cu_seqlens: torch.Tensor, rules: tuple[Rule, ...]
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -575,33 +579,46 @@ def _exact_flatten(
     replace some 60 aten calls, most of them on a few dozen boundaries,
     where a call's overhead is its cost. The views are DLPack's, so the
     inputs stay as they were and the outputs, torch tensors that NumPy
-    writes into, stay resizable (as aten's).
+    writes into, stay resizable (as aten's). None also for dtypes the other
+    paths' aten ops do not take (uint16 and wider), so that all paths agree.
     """
+    if not {packed_token_indices.dtype, cu_seqlens.dtype} <= _NUMPY_INTEGERS:
+        return None
     views = numpy_views(packed_token_indices, cu_seqlens)
     if views is None:
         return None
     refuse_jit_trace()  # NumPy's work is invisible to a trace
+    outcome = _flatten_views(*views, cu_seqlens.dtype, rules)
+    # Raised here, once the views are gone: a traceback keeps its frames'
+    # locals, and a view outlives a resize of the input it shows.
+    if isinstance(outcome, Rule):
+        raise ValueError(outcome.drop_in)
+    return outcome
+
+
+def _flatten_views(columns, bounds, dtype: torch.dtype, rules: tuple[Rule, ...]):
+    """:func:`_exact_flatten` on NumPy views: the outputs, or the first broken rule."""
     numpy = _checks.numpy
-    columns, bounds = views
     batch, sequence = columns.shape
     valid = columns >= 0
     row_tokens = numpy.count_nonzero(valid, axis=1)
     valid_bounds = bounds >= 0
     count = numpy.count_nonzero(valid_bounds, axis=1)
-    lengths = (bounds[:, 1:] - bounds[:, :-1])[valid_bounds[:, 1:] & valid_bounds[:, :-1]]
+    pairs = valid_bounds[:, 1:] & valid_bounds[:, :-1]
+    lengths = (bounds[:, 1:] - bounds[:, :-1])[pairs]  # wrap in narrow dtypes as aten's do; compared below
     last = bounds[numpy.arange(batch), numpy.maximum(count - 1, 0)]
     flags = (
         (bounds[:, 0] != 0).any(),  # also where a row has no valid boundary
-        (lengths < 0).any(),
+        (bounds[:, 1:] < bounds[:, :-1])[pairs].any(),
         (valid_bounds & (numpy.cumsum(~valid_bounds, axis=1) > 0)).any(),
         (last != row_tokens).any(),
         lengths.size == 0,
     )
     for flag, rule in zip(flags, rules, strict=True):
         if flag:
-            raise ValueError(rule.drop_in)
-    indices = torch.empty(int(row_tokens.sum()), dtype=torch.int64)
-    flat_cu_seqlens = torch.empty(lengths.size + 1, dtype=cu_seqlens.dtype)
+            return rule
+    indices = torch.empty(int(row_tokens.sum()), dtype=torch.int64, device="cpu")
+    flat_cu_seqlens = torch.empty(lengths.size + 1, dtype=dtype, device="cpu")
     # Writeable as the inputs' views were (the same bridge).
     selected, boundaries = numpy_views(indices, flat_cu_seqlens)
     row_offsets = numpy.repeat(numpy.arange(0, batch * sequence, sequence, dtype=numpy.int64), row_tokens)

@@ -19,7 +19,7 @@ from unittest import mock
 
 import pytest
 import torch
-from assertions import assert_same
+from assertions import assert_same, outcome
 from nemo_automodel.components.datasets import packing as upstream
 from nemo_automodel.components.models.common.packing import (
     flatten_packed_sequence_metadata as upstream_flatten,
@@ -654,3 +654,79 @@ def test_jit_trace_of_a_drop_in_raises_rather_than_record_data_sized_outputs(dro
         pytest.raises(RuntimeError, match=re.escape("which torch.jit.trace records as constants")),
     ):
         torch.jit.trace(dropin, torch.tensor([[1, 1, 0, 2]]))
+
+
+# ------------------------------------- review of the NumPy flatten path and physical varlen (stop 16)
+
+
+def test_flatten_rejects_decreasing_uint8_boundaries_on_every_path():
+    """A decrease of uint8 boundaries wraps when subtracted; the rule compares them instead."""
+    indices, bounds = torch.tensor([[0, 1, 2]]), torch.tensor([[0, 5, 3]], dtype=torch.uint8)
+    keywords = {"batch_size": 1, "sequence_length": 3}
+    with pytest.raises(ValueError) as theirs:
+        upstream_flatten(indices, bounds, **keywords)
+    for numpy in (contextlib.nullcontext(), mock.patch("packfn._checks.numpy", None)):
+        with numpy, pytest.raises(ValueError) as ours:
+            packfn.flatten_packed_sequence_metadata(indices, bounds, **keywords)
+        assert str(ours.value) == str(theirs.value)
+
+
+@pytest.mark.parametrize("dtype", [torch.uint16, torch.uint32, torch.uint64])
+def test_flatten_of_wide_unsigned_metadata_does_what_upstream_does(dtype):
+    """NumPy takes uint16 and wider, aten's ops of the other paths (and upstream's) do not: all paths agree."""
+    indices, bounds = torch.tensor([[0, 1, 2, 3]]).to(dtype), torch.tensor([[0, 1, 4]])
+    keywords = {"batch_size": 1, "sequence_length": 4}
+    theirs = outcome(upstream_flatten, indices, bounds, **keywords)
+    for numpy in (contextlib.nullcontext(), mock.patch("packfn._checks.numpy", None)):
+        with numpy:
+            ours = outcome(packfn.flatten_packed_sequence_metadata, indices, bounds, **keywords)
+        assert ours[0] == theirs[0] == "error" and ours[1] is theirs[1]
+
+
+def test_cpu_paths_follow_the_inputs_device_not_the_default_device():
+    indices, bounds = torch.tensor([[0, 1, -1], [0, 1, 2]]), torch.tensor([[0, 2, -1], [0, 1, 3]], dtype=torch.int32)
+    ids = torch.tensor([[1, 1, 2], [3, 0, 0]])
+    keywords = {"batch_size": 2, "sequence_length": 3}
+
+    def both():
+        flat = packfn.flatten_packed_sequence_metadata(indices, bounds, **keywords)
+        return (*flat, *packfn._ops.attention.physical_varlen_metadata(ids))
+
+    expected = both()
+    with torch.device("meta"):
+        got = both()
+    assert_same(got, expected)
+
+
+def test_numpy_gets_no_view_of_a_functorch_wrapper():
+    """DLPack of a functionalize wrapper exports memory that is not its values: the wrapper gets no NumPy view."""
+    seen = []
+
+    def view(tensor):
+        seen.append(packfn._checks.numpy_views(tensor))
+        return tensor
+
+    torch.func.functionalize(view)(torch.tensor([[0, 1]]))
+    torch.func.vmap(view)(torch.tensor([[0, 1]]))
+    assert seen == [None, None]
+    assert packfn._checks.numpy_views(torch.tensor([[0, 1]])) is not None
+
+
+def test_flatten_error_traceback_holds_no_numpy_view_of_the_inputs():
+    """A view in a frame of the traceback would outlive a resize of the input it shows."""
+    indices, bounds = torch.tensor([[0, 1]]), torch.tensor([[0, 1]], dtype=torch.int32)
+    with pytest.raises(ValueError) as error:
+        packfn.flatten_packed_sequence_metadata(indices, bounds, batch_size=1, sequence_length=2)
+    frames = [entry.frame.f_locals for entry in error.traceback]
+    numpy_type = type(packfn._checks.numpy_views(indices)[0])
+    assert not any(isinstance(value, numpy_type) for local in frames for value in local.values())
+
+
+def test_physical_varlen_metadata_compiled_with_dynamic_shapes_on_one_token_rows():
+    """Spare slots shared by blocks of 4096 positions (a floor division in the scatter's index) made Inductor's
+    code skip the scatter's last partial block: ``[5, 1]`` ids gave ``cu_seqlens`` all 5 under dynamic shapes."""
+    op = packfn._ops.attention.physical_varlen_metadata
+    compiled = torch.compile(op, fullgraph=True, dynamic=True)
+    for shape in [(2, 1), (5, 1), (4097, 1), (3, 5)]:
+        ids = torch.arange(shape[0] * shape[1]).reshape(shape) // 2
+        assert_same(tuple(compiled(ids)), tuple(op.math(ids)))

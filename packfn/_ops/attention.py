@@ -177,9 +177,6 @@ class PhysicalVarlenOutputs(NamedTuple):
     num_segments: torch.Tensor  # int64 0-d
 
 
-_SPARE_BLOCK = 4096
-
-
 def _physical_varlen_metadata_eager(document_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """On the CPU, the starts' positions by one ``nonzero`` written over the total (NOTE [Eager kernels]).
 
@@ -191,7 +188,7 @@ def _physical_varlen_metadata_eager(document_ids: torch.Tensor) -> tuple[torch.T
         return tuple(physical_varlen_metadata.math(document_ids))
     starts = segment_starts(document_ids).reshape(-1).nonzero().squeeze(1)
     total = document_ids.numel()
-    cu_seqlens = torch.full((total + 1,), total, dtype=torch.int32)
+    cu_seqlens = torch.full((total + 1,), total, dtype=torch.int32, device=document_ids.device)
     cu_seqlens[: starts.numel()] = starts
     return cu_seqlens, cu_seqlens.diff().max(), cu_seqlens.new_full((), starts.numel(), dtype=torch.int64)
 
@@ -211,14 +208,14 @@ def physical_varlen_metadata(
     # Boundary k is the position of the (k+1)-th start, the total once k
     # passes the last segment (empty trailing segments): the k-th start is
     # scattered to slot k of a buffer filled with the total, in the output's
-    # dtype, so no pass fills the tail. Every other position goes to a spare
-    # slot past the cut, one per _SPARE_BLOCK positions, each on a cache
-    # line of its own (one shared slot serializes the threads' stores).
+    # dtype, so no pass fills the tail; every other position goes to a spare
+    # slot of its own past the cut, as in _compact. (Spare slots shared by
+    # blocks of positions, a floor division in the index, made Inductor's
+    # code skip the scatter's last partial block for rows of one token under
+    # dynamic shapes; tests/test_regressions.py holds that case.)
     slots = total + 1
-    spare = slots + torch.div(positions, _SPARE_BLOCK, rounding_mode="floor") * 16
-    target = torch.where(starts, starts.cumsum(0) - 1, spare)
-    size = slots + (total + _SPARE_BLOCK - 1) // _SPARE_BLOCK * 16
-    buffer = torch.full((size,), total, device=starts.device).to(torch.int32)
+    target = torch.where(starts, starts.cumsum(0) - 1, slots + positions)
+    buffer = torch.full((slots + total,), total, dtype=torch.int32, device=starts.device)
     cu_seqlens = buffer.scatter_(0, target, positions.to(torch.int32))[:slots]
     max_seqlen = (cu_seqlens[1:] - cu_seqlens[:-1]).max()
     return cu_seqlens, max_seqlen, starts.sum()
