@@ -78,7 +78,8 @@ def cpu_nonzero(flags: torch.Tensor) -> torch.Tensor:
     NumPy's ``flatnonzero`` of a bool array is several times faster than
     aten's CPU ``nonzero`` (18 against 78 us for 32768 flags on the 2-core
     machine), and the exact CPU paths run two or three of them
-    (NOTE [Exact sizes on the CPU] in :mod:`packfn.metadata`). The positions
+    (NOTE [Exact sizes on the CPU] in :mod:`packfn.metadata`), as does
+    ``physical_varlen_metadata``'s CPU eager kernel. The positions
     come back as an int64 tensor that owns its memory (resizable, as
     aten's).
     """

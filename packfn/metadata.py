@@ -24,7 +24,7 @@ from typing import NamedTuple, TypedDict
 import torch
 
 from packfn import _checks
-from packfn._checks import check_mask, check_positive_int, cpu_nonzero, exact_on_cpu, numpy_views
+from packfn._checks import MASK_DTYPES, check_mask, check_positive_int, cpu_nonzero, exact_on_cpu, numpy_views
 from packfn._ops import metadata as _ops
 from packfn._ops._registry import Rule, assert_rules, checked_ints, refuse_jit_trace
 
@@ -563,10 +563,6 @@ def flatten_packed_sequence_metadata(
     return indices, flat_cu_seqlens[: documents + 1]
 
 
-# The dtypes NumPy and every torch op of the other paths share.
-_NUMPY_INTEGERS = frozenset({torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64})
-
-
 def _exact_flatten(
     packed_token_indices: torch.Tensor, cu_seqlens: torch.Tensor, rules: tuple[Rule, ...]
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -582,7 +578,8 @@ def _exact_flatten(
     writes into, stay resizable (as aten's). None also for dtypes the other
     paths' aten ops do not take (uint16 and wider), so that all paths agree.
     """
-    if not {packed_token_indices.dtype, cu_seqlens.dtype} <= _NUMPY_INTEGERS:
+    # The mask dtypes (bool is refused before): those NumPy and the other paths' aten ops share.
+    if not {packed_token_indices.dtype, cu_seqlens.dtype} <= MASK_DTYPES:
         return None
     views = numpy_views(packed_token_indices, cu_seqlens)
     if views is None:

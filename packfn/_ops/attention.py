@@ -44,6 +44,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from packfn._checks import cpu_nonzero
 from packfn._ops._registry import Rule, packfn_op
 from packfn._ops.metadata import _compact, _parse_mask, mask_rules
 
@@ -186,7 +187,7 @@ def _physical_varlen_metadata_eager(document_ids: torch.Tensor) -> tuple[torch.T
     """
     if document_ids.device.type != "cpu":
         return tuple(physical_varlen_metadata.math(document_ids))
-    starts = segment_starts(document_ids).reshape(-1).nonzero().squeeze(1)
+    starts = cpu_nonzero(segment_starts(document_ids).reshape(-1))
     total = document_ids.numel()
     cu_seqlens = torch.full((total + 1,), total, dtype=torch.int32, device=document_ids.device)
     cu_seqlens[: starts.numel()] = starts
