@@ -186,14 +186,24 @@ def test_bench_smoke_writes_rows_of_the_documented_shape(tmp_path, capsys):
     from scripts import bench
 
     json_path, plot_path = tmp_path / "b.json", tmp_path / "b.png"
-    argv = ["--sequences", "64", "--means", "16", "--repeats", "1", "--sample-ms", "1", "--families", "metadata"]
+    families = ["--families", "metadata", "layout"]
+    argv = ["--sequences", "64", "--means", "16", "--repeats", "1", "--sample-ms", "1", *families]
     assert bench.main([*argv, "--json", str(json_path), "--plot", str(plot_path)]) == 0
     result = json.loads(json_path.read_text())
     assert {"torch", "rows"} <= set(result)
-    assert result["rows"]
+    assert {row["family"] for row in result["rows"]} == {"metadata", "layout"}
     for row in result["rows"]:
         assert {"family", "case", "sequence", "mean", "variant", "median_ms", "speedup"} <= set(row)
-        assert row["family"] == "metadata" and row["sequence"] == 64 and row["mean"] == 16
+        assert row["sequence"] == 64 and row["mean"] == 16
+    bounds = {row["case"]: set() for row in result["rows"] if row["case"].endswith(" vs clone")}
+    for row in result["rows"]:
+        if row["case"] in bounds:
+            bounds[row["case"]].add(row["variant"])
+    # pack writes the longer aligned rows: it is also timed against a copy of its own output.
+    assert bounds == {
+        "pack vs clone": {"clone", "packfn compiled", "clone of the output"},
+        "restore vs clone": {"clone", "packfn compiled"},
+    }
 
 
 def test_gpu_check_walks_its_sections_on_the_cpu(tmp_path):

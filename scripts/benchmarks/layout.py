@@ -74,8 +74,12 @@ def cases(inputs: Inputs) -> list[Case]:
             Case("layout", name, sequence, variants, baseline="upstream" if reference else "clone", notes=notes)
         )
         # The memory-bound limit: a copy of the [batch, sequence, hidden]
-        # activations (SPEC target: within 1.25 times).
+        # activations (SPEC target: within 1.25 times). pack writes the
+        # longer aligned rows, so it is also timed against a copy of its
+        # own output, the bytes it cannot avoid writing.
         bound = {"clone": values.clone, "packfn compiled": compiled}
+        if name == "pack":
+            bound["clone of the output"] = aligned.clone
         result.append(Case("layout", f"{name} vs clone", sequence, bound, baseline="clone", notes=notes))
     return result
 
