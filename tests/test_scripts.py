@@ -190,7 +190,7 @@ def test_bench_smoke_writes_rows_of_the_documented_shape(tmp_path, capsys):
     argv = ["--sequences", "64", "--means", "16", "--repeats", "1", "--sample-ms", "1", *families]
     assert bench.main([*argv, "--json", str(json_path), "--plot", str(plot_path)]) == 0
     result = json.loads(json_path.read_text())
-    assert {"torch", "rows"} <= set(result)
+    assert {"torch", "rows"} <= set(result) and result["keep_freed_memory"] is False
     assert {row["family"] for row in result["rows"]} == {"metadata", "layout"}
     for row in result["rows"]:
         assert {"family", "case", "sequence", "mean", "variant", "median_ms", "speedup"} <= set(row)
@@ -204,6 +204,52 @@ def test_bench_smoke_writes_rows_of_the_documented_shape(tmp_path, capsys):
         "pack vs clone": {"clone", "packfn compiled", "clone of the output"},
         "restore vs clone": {"clone", "packfn compiled"},
     }
+
+
+class _FakeLibc:
+    """Stands in for glibc: records ``mallopt`` calls and answers ``accept``."""
+
+    def __init__(self, accept: int = 1) -> None:
+        self.calls: list[tuple[int, int]] = []
+        self.accept = accept
+
+    def mallopt(self, parameter: int, value: int) -> int:
+        self.calls.append((parameter, value))
+        return self.accept
+
+
+def test_bench_keep_freed_memory_sets_glibc_thresholds_and_records_them(tmp_path, monkeypatch):
+    from scripts import bench
+
+    libc = _FakeLibc()
+    monkeypatch.setattr(bench.ctypes, "CDLL", lambda name: libc if name == "libc.so.6" else None)
+    json_path = tmp_path / "b.json"
+    argv = ["--sequences", "64", "--means", "16", "--repeats", "1", "--sample-ms", "1", "--families", "metadata"]
+    assert bench.main([*argv, "--keep-freed-memory", "--json", str(json_path), "--plot", str(tmp_path / "b.png")]) == 0
+    # M_TRIM_THRESHOLD: never trim; M_MMAP_THRESHOLD: 32 MiB, the most older glibc accepts.
+    assert libc.calls == [(-1, 2**31 - 1), (-3, 32 * 2**20)]
+    assert json.loads(json_path.read_text())["keep_freed_memory"] is True
+
+
+def test_bench_keep_freed_memory_says_when_it_cannot(monkeypatch):
+    from scripts import bench
+
+    monkeypatch.setattr(bench.ctypes, "CDLL", lambda name: _FakeLibc(accept=0))
+    with pytest.raises(RuntimeError, match="mallopt refused"):
+        bench.keep_freed_memory()
+
+    def no_glibc(name):
+        raise OSError(f"{name}: cannot open shared object file")
+
+    monkeypatch.setattr(bench.ctypes, "CDLL", no_glibc)
+    with pytest.raises(RuntimeError, match="needs glibc's mallopt"):
+        bench.keep_freed_memory()
+
+
+def test_bench_keep_freed_memory_is_accepted_by_this_glibc():
+    """The real call, in a fresh process (the settings last for the process): this glibc takes both values."""
+    code = "from scripts.bench import keep_freed_memory; keep_freed_memory()"
+    subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, timeout=120)
 
 
 def test_gpu_check_walks_its_sections_on_the_cpu(tmp_path):
