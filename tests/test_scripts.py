@@ -6,6 +6,7 @@ Each script is called in-process through its ``main(argv)``; timings are never c
 from __future__ import annotations
 
 import json
+import platform
 import socket
 import subprocess
 import sys
@@ -231,7 +232,7 @@ def test_bench_keep_freed_memory_sets_glibc_thresholds_and_records_them(tmp_path
     assert json.loads(json_path.read_text())["keep_freed_memory"] is True
 
 
-def test_bench_keep_freed_memory_says_when_it_cannot(monkeypatch):
+def test_bench_keep_freed_memory_says_when_it_cannot(monkeypatch, tmp_path, capsys):
     from scripts import bench
 
     monkeypatch.setattr(bench.ctypes, "CDLL", lambda name: _FakeLibc(accept=0))
@@ -244,12 +245,67 @@ def test_bench_keep_freed_memory_says_when_it_cannot(monkeypatch):
     monkeypatch.setattr(bench.ctypes, "CDLL", no_glibc)
     with pytest.raises(RuntimeError, match="needs glibc's mallopt"):
         bench.keep_freed_memory()
+    monkeypatch.setattr(bench.ctypes, "CDLL", lambda name: object())  # a C library without mallopt
+    with pytest.raises(RuntimeError, match="needs glibc's mallopt"):
+        bench.keep_freed_memory()
+    # From the command line: a usage error before anything runs.
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main(["--keep-freed-memory", "--json", str(tmp_path / "unused.json")])
+    assert exit_info.value.code == 2
+    assert "--keep-freed-memory needs glibc's mallopt" in capsys.readouterr().err
+    assert not (tmp_path / "unused.json").exists()
 
 
-def test_bench_keep_freed_memory_is_accepted_by_this_glibc():
-    """The real call, in a fresh process (the settings last for the process): this glibc takes both values."""
-    code = "from scripts.bench import keep_freed_memory; keep_freed_memory()"
-    subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, timeout=120)
+# Touches a fresh 8 MiB malloc block twice and prints the page faults of the second time.
+_REUSE_FAULTS = """
+import ctypes, resource, sys
+from scripts.bench import keep_freed_memory
+if sys.argv[1] == "keep":
+    keep_freed_memory()
+libc = ctypes.CDLL("libc.so.6")
+libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+libc.free.argtypes = [ctypes.c_void_p]
+libc.memset.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t]
+def touch(size=8 << 20):
+    block = libc.malloc(size)
+    libc.memset(block, 1, size)
+    libc.free(block)
+touch()
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+touch()
+print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+"""
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt is glibc's")
+def test_bench_keep_freed_memory_reuses_freed_blocks_without_page_faults():
+    """The real call, in fresh processes (the settings last for the process): a freed 8 MiB block is reused.
+
+    Without the settings glibc gives the block's pages back, so touching it
+    again faults every page (2048 of 4 KiB).
+    """
+
+    def faults(mode: str) -> int:
+        command = [sys.executable, "-c", _REUSE_FAULTS, mode]
+        run = subprocess.run(command, cwd=REPO, check=True, timeout=120, capture_output=True, text=True)
+        return int(run.stdout.split()[-1])
+
+    assert faults("keep") < 64
+    assert faults("plain") > 1024
+
+
+def test_bench_pack_bound_copies_the_packed_output():
+    """``clone of the output`` copies what ``pack`` writes (the longer aligned rows), not its input."""
+    import torch
+
+    from scripts.benchmarks import layout
+    from scripts.benchmarks.common import make_inputs
+
+    inputs = make_inputs(64, 16, batch=2, hidden=8)
+    (bound,) = [case for case in layout.cases(inputs) if case.name == "pack vs clone"]
+    packed, copied = bound.variants["packfn compiled"](), bound.variants["clone of the output"]()
+    assert packed.shape != inputs.values.shape
+    assert torch.equal(copied, packed)
 
 
 def test_gpu_check_walks_its_sections_on_the_cpu(tmp_path):
