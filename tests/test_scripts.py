@@ -183,12 +183,15 @@ def test_export_round_trip_through_decompositions_and_aoti_package(tmp_path):
     assert len(report.aoti_max_errors) == 2
 
 
+# The smallest bench run: one tiny size, one round, 1 ms samples.
+_TINY_BENCH = ["--sequences", "64", "--means", "16", "--repeats", "1", "--sample-ms", "1"]
+
+
 def test_bench_smoke_writes_rows_of_the_documented_shape(tmp_path, capsys):
     from scripts import bench
 
     json_path, plot_path = tmp_path / "b.json", tmp_path / "b.png"
-    families = ["--families", "metadata", "layout"]
-    argv = ["--sequences", "64", "--means", "16", "--repeats", "1", "--sample-ms", "1", *families]
+    argv = [*_TINY_BENCH, "--families", "metadata", "layout"]
     assert bench.main([*argv, "--json", str(json_path), "--plot", str(plot_path)]) == 0
     result = json.loads(json_path.read_text())
     assert {"torch", "rows"} <= set(result) and result["keep_freed_memory"] is False
@@ -225,7 +228,7 @@ def test_bench_keep_freed_memory_sets_glibc_thresholds_and_records_them(tmp_path
     libc = _FakeLibc()
     monkeypatch.setattr(bench.ctypes, "CDLL", lambda name: libc if name == "libc.so.6" else None)
     json_path = tmp_path / "b.json"
-    argv = ["--sequences", "64", "--means", "16", "--repeats", "1", "--sample-ms", "1", "--families", "metadata"]
+    argv = [*_TINY_BENCH, "--families", "metadata"]
     assert bench.main([*argv, "--keep-freed-memory", "--json", str(json_path), "--plot", str(tmp_path / "b.png")]) == 0
     # M_TRIM_THRESHOLD: never trim; M_MMAP_THRESHOLD: 32 MiB, the most older glibc accepts.
     assert libc.calls == [(-1, 2**31 - 1), (-3, 32 * 2**20)]
