@@ -1,61 +1,48 @@
-"""packfn: packed-sequence metadata as compilable, exportable torch.library ops.
+"""packfn: packed-sequence metadata as torch.library ops that compile, export and never sync.
 
-Three layers: :mod:`packfn.contract` (what a model asks for, pure Python),
-:mod:`packfn._ops` (the ``packfn::*`` ops: fake, eager kernel, Inductor
-decomposition, autograd) and the public functions below, each a static
-(fixed-capacity, sync-free) form and, where NeMo AutoModel 0.7.0 has one, an
-exact drop-in.
+The top-level names are the sync-free core: every output shape is a
+function of input shapes and static arguments, nothing reads a value back
+to the host, and a compiled graph never specializes on a batch's contents.
+
+- metadata (:mod:`packfn.metadata`): ``varlen_metadata``, ``batch_metadata``, ``flatten_metadata``;
+- layouts (:mod:`packfn.layout`): ``aligned_layout``, ``safe_budget``, ``PackedSequenceLayout``;
+- masks (:mod:`packfn.masks`): ``block_causal_mask``, ``document_mask_mod``, ``document_block_mask``;
+- varlen inputs (:mod:`packfn.varlen`): ``physical_varlen_metadata``, ``unpad``, ``pad``;
+- formats (:mod:`packfn.formats`): ``packed_position_ids``;
+- contracts (:mod:`packfn.contract`): ``packed_attention_inputs`` and the contract types;
+- the packer (:mod:`packfn.packer`): ``pack_documents``, ``pack_stream``;
+- distributed (:mod:`packfn.distributed`): ``shard_packed_batch`` and the local-query inputs of a rank.
+
+Integrations stand on the core: :mod:`packfn.hf` (transformers). The NeMo
+AutoModel drop-ins, which read the host once, are :mod:`packfn.nemo_automodel`.
+The ops themselves are ``torch.ops.packfn.*`` (:mod:`packfn._ops`).
 """
 
 import packfn._ops  # noqa: F401  (registers every op)
 from packfn._cache import cache_key_tag, install_cache_key_tag
-from packfn.attention import (
-    PackedSeqParams,
-    PhysicalVarlenMetadata,
-    block_causal_mask,
-    document_block_mask,
-    document_mask_mod,
-    packed_attention_inputs,
-    packed_position_ids,
-    packed_seq_params_from_doc_ids,
-    pad,
-    physical_varlen_metadata,
-    to_flash_attention_kwargs,
-    unpad,
-)
+from packfn._deprecated import moved_names
 from packfn.contract import (
     DEFAULT_PACKED_SEQUENCE_CONTRACT,
     PackedMaskType,
     PackedSequenceContract,
-    resolve_packing_contract,
+    packed_attention_inputs,
 )
 from packfn.distributed import (
     CPShard,
     CPVarlenMetadata,
-    ShardLayout,
     cp_block_causal_mask,
     cp_document_block_mask,
     cp_varlen_metadata,
-    gather_sequence,
-    shard_cp_batch,
     shard_packed_batch,
     split_batch_metadata,
 )
-from packfn.hf import hf_model_inputs
-from packfn.layout import PackedSequenceLayout, aligned_layout, aligned_length, packed_layout
-from packfn.metadata import (
-    BatchMetadata,
-    PackedSequenceMetadata,
-    VarlenMetadata,
-    batch_metadata,
-    build_packed_sequence_metadata,
-    flatten_metadata,
-    flatten_packed_sequence_metadata,
-    get_seqlens_in_batch,
-    get_unpad_data,
-    varlen_metadata,
-)
-from packfn.packer import PackedBatch, pack_documents, pack_stream
+from packfn.formats import packed_position_ids
+from packfn.layout import PackedSequenceLayout, aligned_layout, safe_budget
+from packfn.layout import aligned_length as aligned_length  # deprecated, not in __all__
+from packfn.masks import block_causal_mask, document_block_mask, document_mask_mod
+from packfn.metadata import BatchMetadata, VarlenMetadata, batch_metadata, flatten_metadata, varlen_metadata
+from packfn.packer import PackedBatch, Piece, pack_documents, pack_stream
+from packfn.varlen import PhysicalVarlenMetadata, pad, physical_varlen_metadata, unpad
 
 __all__ = [
     "DEFAULT_PACKED_SEQUENCE_CONTRACT",
@@ -64,18 +51,14 @@ __all__ = [
     "CPVarlenMetadata",
     "PackedBatch",
     "PackedMaskType",
-    "PackedSeqParams",
     "PackedSequenceContract",
     "PackedSequenceLayout",
-    "PackedSequenceMetadata",
     "PhysicalVarlenMetadata",
-    "ShardLayout",
+    "Piece",
     "VarlenMetadata",
     "aligned_layout",
-    "aligned_length",
     "batch_metadata",
     "block_causal_mask",
-    "build_packed_sequence_metadata",
     "cache_key_tag",
     "cp_block_causal_mask",
     "cp_document_block_mask",
@@ -83,27 +66,44 @@ __all__ = [
     "document_block_mask",
     "document_mask_mod",
     "flatten_metadata",
-    "flatten_packed_sequence_metadata",
-    "gather_sequence",
-    "get_seqlens_in_batch",
-    "get_unpad_data",
-    "hf_model_inputs",
     "pack_documents",
     "pack_stream",
     "packed_attention_inputs",
-    "packed_layout",
     "packed_position_ids",
-    "packed_seq_params_from_doc_ids",
     "pad",
     "physical_varlen_metadata",
-    "resolve_packing_contract",
-    "shard_cp_batch",
+    "safe_budget",
     "shard_packed_batch",
     "split_batch_metadata",
-    "to_flash_attention_kwargs",
     "unpad",
     "varlen_metadata",
 ]
+
+# The names that moved out of the core keep working, with a DeprecationWarning, for one release.
+__getattr__ = moved_names(
+    __name__,
+    {
+        **{
+            name: f"packfn.nemo_automodel:{name}"
+            for name in (
+                "PackedSeqParams",
+                "PackedSequenceMetadata",
+                "ShardLayout",
+                "build_packed_sequence_metadata",
+                "flatten_packed_sequence_metadata",
+                "get_seqlens_in_batch",
+                "get_unpad_data",
+                "packed_layout",
+                "packed_seq_params_from_doc_ids",
+                "resolve_packing_contract",
+                "shard_cp_batch",
+                "to_flash_attention_kwargs",
+            )
+        },
+        "gather_sequence": "packfn.nemo_automodel:gather_sequence",
+        "hf_model_inputs": "packfn.hf:hf_model_inputs",
+    },
+)
 
 # NOTE [Compile caches do not see decompositions] (packfn/_cache.py)
 install_cache_key_tag()

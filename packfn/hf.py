@@ -5,7 +5,8 @@
 treat every document as a sequence of its own: position ids that restart
 per document (:func:`packfn.packed_position_ids`), the attention input of the
 model's ``attn_implementation``, and labels that never ask a document to
-predict the next one. It reads the model's config (attention backend, sliding
+predict the next one. The mask is checked and parsed once (NOTE [Check
+once] in :mod:`packfn._ops.metadata`). It reads the model's config (attention backend, sliding
 windows, layer types) and never imports transformers; under
 ``torch.compile(fullgraph=True)`` it adds no graph break and no host sync.
 
@@ -21,28 +22,24 @@ does not matter (``tests/test_hf.py`` pins both facts).
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import torch
 from torch.nn.attention.flex_attention import BlockMask
 
 from packfn._checks import check_mask, check_positive_int
-from packfn.attention import document_block_mask, packed_attention_inputs, packed_position_ids
-from packfn.contract import DEFAULT_PACKED_SEQUENCE_CONTRACT
-from packfn.metadata import varlen_metadata
+from packfn._ops import formats as _format_ops
+from packfn._ops import masks as _mask_ops
+from packfn._ops import varlen as _varlen_ops
+from packfn._ops._registry import assert_rules
+from packfn._ops.metadata import mask_rules
+from packfn.contract import FLASH_ATTENTION_IMPLEMENTATIONS, passthrough_inputs
+from packfn.masks import check_window, checked_block_mask
+from packfn.varlen import flash_kwargs
 
 __all__ = ["hf_model_inputs"]
 
-_FLASH = ("flash_attention_2", "flash_attention_3", "flash_attention_4")
-_IMPLEMENTATIONS = ("eager", "sdpa", "flex_attention", *_FLASH)
-_BLOCK_CAUSAL = dataclasses.replace(DEFAULT_PACKED_SEQUENCE_CONTRACT, packed_mask_type="block_causal")
-# The contract each backend's attention input builds on; FlexAttention takes
-# the document ids and turns them into a BlockMask here.
-_CONTRACTS = {
-    "flex_attention": dataclasses.replace(DEFAULT_PACKED_SEQUENCE_CONTRACT, packed_mask_type="document_ids"),
-    **dict.fromkeys(_FLASH, dataclasses.replace(DEFAULT_PACKED_SEQUENCE_CONTRACT, packed_mask_type="flash_varlen")),
-}
+_IMPLEMENTATIONS = ("eager", "sdpa", "flex_attention", *FLASH_ATTENTION_IMPLEMENTATIONS)
 
 
 def _windows(config: Any, window: Any) -> dict[str, int | None] | int | None:
@@ -56,7 +53,7 @@ def _windows(config: Any, window: Any) -> dict[str, int | None] | int | None:
         window = getattr(config, "sliding_window", None)
     layer_types = getattr(config, "layer_types", None)
     if layer_types is None:
-        return None if window is None else check_positive_int(window, "sliding_window")
+        return check_window(window, "sliding_window")
     windows: dict[str, int | None] = {}
     for layer_type in layer_types:
         if layer_type == "full_attention":
@@ -76,23 +73,10 @@ def _check_labels(labels: object) -> None:
         raise TypeError(f"labels must be an int32 or int64 tensor (they hold -100), got {labels.dtype}")
 
 
-def _shift_labels(document_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Each valid token's target: the label of the next valid token of its document, else -100.
-
-    The next valid token of the whole stream comes from the varlen
-    permutation (valid positions first, in order), so padding inside a
-    document is skipped over and a document's last token has no target.
-    """
-    batch, sequence = document_ids.shape
-    ids = document_ids.reshape(-1)
-    valid = ids != 0
-    order = varlen_metadata(document_ids)
-    following = valid.cumsum(0)  # the rank of the next valid token after each position
-    after = order.indices.gather(0, following.clamp_max(ids.numel() - 1))
-    flat = torch.arange(ids.numel(), device=ids.device)
-    same = (following < order.num_tokens) & (after // sequence == flat // sequence) & (ids.gather(0, after) == ids)
-    targets = labels.reshape(-1).gather(0, after)
-    return torch.where(valid & same, targets, torch.full_like(targets, -100)).view(batch, sequence)
+def _shift_labels(labels: torch.Tensor, next_token: torch.Tensor) -> torch.Tensor:
+    """Each valid token's target: the label of the next valid token of its document (``next_token``), else -100."""
+    targets = labels.reshape(-1).gather(0, next_token.reshape(-1).clamp_min(0)).view_as(labels)
+    return targets.masked_fill(next_token < 0, -100)
 
 
 def _dense_mask(
@@ -154,7 +138,7 @@ def hf_model_inputs(
         (:func:`packfn.document_block_mask` with ``block_size``);
       - ``"flash_attention_2"`` / ``"_3"`` / ``"_4"``: ``cu_seq_lens_q``,
         ``cu_seq_lens_k``, ``max_length_q``, ``max_length_k``: the static
-        physical boundaries of :func:`packfn.packed_attention_inputs` over the
+        physical boundaries of :func:`packfn.physical_varlen_metadata` over the
         flattened ``[batch * sequence]`` stream (every padding run a segment
         of its own, ``max_length_*`` the bound ``sequence``). A document with
         padding inside it is cut there, as upstream's varlen path cuts it;
@@ -196,7 +180,7 @@ def hf_model_inputs(
             not int32 / int64, input ids not integer, a non-floating ``dtype``.
         RuntimeError: (a sync-free assert) negative or decreasing ids.
     """
-    check_mask(document_ids, name="document_ids")
+    check_mask(document_ids)
     implementation = attn_implementation or getattr(config, "_attn_implementation", None)
     if implementation not in _IMPLEMENTATIONS:
         raise ValueError(
@@ -212,25 +196,41 @@ def hf_model_inputs(
     _check_labels(labels)
     if isinstance(input_ids, torch.Tensor) and (input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool):
         raise TypeError(f"input_ids must be an integer tensor, got {input_ids.dtype}")
-    contract = _CONTRACTS.get(implementation, _BLOCK_CAUSAL)
-    positions = packed_position_ids(document_ids)
-    inputs = packed_attention_inputs(document_ids, contract, input_ids=input_ids, labels=labels, position_ids=positions)
-    del inputs["_packed_seq_ids"]
+    inputs = passthrough_inputs(document_ids, input_ids=input_ids, labels=labels)
+    parsed = _format_ops.document_positions_op(document_ids)
+    assert_rules(parsed.broken, mask_rules(document_ids.shape[1]))
+    positions = inputs["position_ids"] = parsed.position_ids
     if labels is not None:
         # Valid tokens at position 0 start a document; padding takes no loss.
         inputs["labels"] = labels.masked_fill((positions == 0) | (document_ids == 0), -100)
-        inputs["shift_labels"] = _shift_labels(document_ids, labels)
-    if implementation in _FLASH:
-        return inputs
+    if implementation in FLASH_ATTENTION_IMPLEMENTATIONS:
+        cu_seqlens = _varlen_ops.physical_varlen_metadata_op(document_ids).cu_seqlens
+        inputs.update(flash_kwargs(cu_seqlens, document_ids.shape[1]))
+    else:
+        inputs["attention_mask"] = _attention_masks(document_ids, positions, implementation, windows, block_size, dtype)
+    if labels is not None:
+        inputs["shift_labels"] = _shift_labels(labels, parsed.next_token)
+    return inputs
+
+
+def _attention_masks(
+    document_ids: torch.Tensor,
+    positions: torch.Tensor,
+    implementation: str,
+    windows: dict[str, int | None] | int | None,
+    block_size: int,
+    dtype: torch.dtype,
+) -> torch.Tensor | BlockMask | dict[str, torch.Tensor | BlockMask]:
+    """The attention mask of a checked mask: one, or one per layer type (a dict) where the config lists them."""
+    flex = implementation == "flex_attention"
+    block_causal = None if flex else _mask_ops.block_causal_mask_op(document_ids, False).mask
 
     def mask(window: int | None) -> torch.Tensor | BlockMask:
-        if implementation == "flex_attention":
-            return document_block_mask(document_ids, block_size=block_size, window=window, positions=positions)
-        return _dense_mask(inputs["attention_mask"], positions, window, implementation, dtype)
+        if flex:
+            return checked_block_mask(document_ids, block_size, window, True, positions, check=False)
+        return _dense_mask(block_causal, positions, window, implementation, dtype)
 
-    if isinstance(windows, dict):
-        masks = {window: mask(window) for window in dict.fromkeys(windows.values())}
-        inputs["attention_mask"] = {layer_type: masks[window] for layer_type, window in windows.items()}
-    else:
-        inputs["attention_mask"] = mask(windows)
-    return inputs
+    if not isinstance(windows, dict):
+        return mask(windows)
+    masks = {window: mask(window) for window in dict.fromkeys(windows.values())}
+    return {layer_type: masks[window] for layer_type, window in windows.items()}

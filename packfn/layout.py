@@ -1,19 +1,14 @@
-"""Compression-aligned packed layouts: the static API and the NeMo AutoModel drop-in.
+"""Compression-aligned packed layouts of a fixed row budget, with no host sync.
 
 The layout format, with a worked example, is described once, in
 :mod:`packfn._ops.layout`.
 
-Static API (:func:`aligned_layout`, :func:`aligned_length`): the aligned row
-has a fixed length chosen by the caller (the pack budget), so every output
-shape follows from input shapes and static arguments, nothing syncs with the
-host, and a compiled graph never specializes on the lengths' contents.
-
-Drop-in API (:func:`packed_layout`): exactly the outputs of
-``nemo_automodel.components.models.deepseek_v41.packing.packed_layout``
-0.7.0, whose row length depends on the data: in eager one host read (the
-rule flags and the row length together), under ``torch.compile`` and
-``torch.export`` the static op at a safe length and one trim to an unbacked
-size, never a graph break.
+:func:`aligned_layout` takes the aligned row length from the caller (the
+pack budget), so every output shape follows from input shapes and static
+arguments, nothing syncs with the host, and a compiled graph never
+specializes on the lengths' contents; :func:`safe_budget` is the budget
+that fits any row. The NeMo AutoModel drop-in ``packed_layout``, whose row
+length depends on the data, is in :mod:`packfn.nemo_automodel`.
 
 :meth:`PackedSequenceLayout.pack` and :meth:`PackedSequenceLayout.restore`
 move activations into and out of the aligned rows with gathers; each is the
@@ -22,18 +17,21 @@ other's backward (see NOTE [Why pack and restore are each other's backward]).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from packfn._checks import check_positive_int, exact_on_cpu
+from packfn._checks import check_int, check_positive_int, check_tensor
+from packfn._compat import sym_max, sym_min
+from packfn._deprecated import deprecated, moved_names, renamed_keywords
 from packfn._ops import layout as _ops
-from packfn._ops._registry import assert_rules, checked_ints, refuse_jit_trace
+from packfn._ops._registry import assert_rules
+from packfn._utils import cdiv
 
-__all__ = ["PackedSequenceLayout", "aligned_layout", "aligned_length", "packed_layout"]
+__all__ = ["LENGTH_DTYPES", "PackedSequenceLayout", "aligned_layout", "as_rows", "safe_budget"]
 
-_LENGTH_DTYPES = (torch.int32, torch.int64)
+LENGTH_DTYPES = (torch.int32, torch.int64)
+"""The dtypes of ``seq_lens`` / ``seq_lens_padded`` tables."""
 
 
 @dataclass(frozen=True)
@@ -58,8 +56,7 @@ class PackedSequenceLayout:
     sequence_ids: torch.Tensor
 
     def _check_values(self, values: torch.Tensor, width: int, axis: str) -> None:
-        if not isinstance(values, torch.Tensor):
-            raise TypeError(f"values must be a torch.Tensor, got {type(values).__name__}")
+        check_tensor(values, "values")
         batch = self.source_indices.shape[0]
         if values.ndim < 2 or values.shape[0] != batch or values.shape[1] != width:
             raise ValueError(f"values must have shape [batch={batch}, {axis}={width}, ...], got {tuple(values.shape)}")
@@ -84,7 +81,7 @@ class PackedSequenceLayout:
         self._check_values(values, self.input_positions.shape[1], "sequence")
         if not isinstance(fill, (int, float)):
             raise TypeError(f"fill must be an int or float, got {type(fill).__name__}")
-        return _ops.pack(values, self.source_indices, self.input_positions, float(fill))
+        return _ops.pack_op(values, self.source_indices, self.input_positions, float(fill))
 
     def restore(self, values: torch.Tensor) -> torch.Tensor:
         """Move tokens back to the input columns, with zeros at the input's padding.
@@ -102,32 +99,11 @@ class PackedSequenceLayout:
             ValueError: ``values`` does not start with ``[batch, length]``.
         """
         self._check_values(values, self.source_indices.shape[1], "length")
-        return _ops.restore(values, self.input_positions, self.source_indices)
+        return _ops.restore_op(values, self.input_positions, self.source_indices)
 
 
-def _round_up(value, alignment):
-    return (value + alignment - 1) // alignment * alignment
-
-
-def _sym_min(a, b):
-    """``min`` of ints or SymInts that installs no guard (so export keeps a ``Dim`` free).
-
-    Dynamo turns the builtin ``min`` of SymInts into ``torch.sym_min``
-    itself, and torch 2.11's Dynamo graph-breaks on an explicit
-    ``torch.sym_min`` of ints ("torch.* op returned non-Tensor"); outside
-    Dynamo (eager, non-strict export) the builtin would guard on the
-    comparison, so ``torch.sym_min`` is used there.
-    """
-    return min(a, b) if torch.compiler.is_dynamo_compiling() else torch.sym_min(a, b)
-
-
-def _sym_max(a, b):
-    """``max`` without a guard, as :func:`_sym_min`."""
-    return max(a, b) if torch.compiler.is_dynamo_compiling() else torch.sym_max(a, b)
-
-
-def _worst_case_length(sequence_length, documents: int, alignment: int, minimum_length: int):
-    """:func:`aligned_length` without checks (SymInt-friendly, for traced sequence lengths)."""
+def worst_case_budget(sequence_length, documents: int, alignment: int, minimum_budget: int):
+    """:func:`safe_budget` without checks (SymInt-friendly, for traced sequence lengths)."""
     # m documents of n_1 + ... + n_m <= sequence_length real tokens use
     # sum(ceil(n_k / a)) <= floor((tokens + m (a - 1)) / a) = m + floor((tokens - m) / a)
     # blocks, which grows with tokens and m: the bound takes every token and
@@ -135,32 +111,34 @@ def _worst_case_length(sequence_length, documents: int, alignment: int, minimum_
     # m - 1 one-token documents and one document of the rest reach it.
     # Written as alignment * blocks, so that "a multiple of alignment" holds
     # symbolically (no guard on a traced sequence length).
-    floor_blocks = -(-max(minimum_length, 1) // alignment)
+    floor_blocks = cdiv(max(minimum_budget, 1), alignment)
     if documents == 0:
         return alignment * floor_blocks
-    fitting = _sym_min(documents, sequence_length)
+    fitting = sym_min(documents, sequence_length)
     blocks = fitting + (sequence_length - fitting) // alignment
-    return alignment * _sym_max(blocks, floor_blocks)
+    return alignment * sym_max(blocks, floor_blocks)
 
 
-def aligned_length(sequence_length: int, documents: int, alignment: int, minimum_length: int = 0) -> int:
-    """Return the shortest aligned row length that fits every valid input.
+def safe_budget(sequence_length: int, documents: int, alignment: int, minimum_budget: int = 0) -> int:
+    """Return the shortest aligned row length (budget) that fits every valid input.
 
     Each present document wastes at most ``alignment - 1`` columns, and the
     real tokens of a row are at most ``sequence_length``; the bound is
     reached by ``documents - 1`` one-token documents plus one document of the
-    remaining tokens.
+    remaining tokens. A packer that counts aligned sizes
+    (:func:`packfn.pack_documents`) guarantees a tighter budget.
 
     Args:
         sequence_length: Input row length ``sequence``.
         documents: Document slots per row (``seq_lens.shape[-1]``).
         alignment: Positive alignment of document starts.
-        minimum_length: Minimum row length, as in :func:`packed_layout`.
+        minimum_budget: Minimum row length, as ``minimum_length`` of
+            NeMo AutoModel's ``packed_layout``.
 
     Returns:
-        A positive multiple of ``alignment`` usable as ``length`` of
+        A positive multiple of ``alignment`` usable as ``budget`` of
         :func:`aligned_layout` (a SymInt when ``sequence_length`` is one,
-        for compiles with dynamic sequence lengths). Example: ``aligned_length(9, 3, 4) == 16``
+        for compiles with dynamic sequence lengths). Example: ``safe_budget(9, 3, 4) == 16``
         (one-token documents at 0 and 4, seven tokens at 8..14).
 
     Raises:
@@ -168,38 +146,34 @@ def aligned_length(sequence_length: int, documents: int, alignment: int, minimum
         ValueError: ``sequence_length`` or ``documents`` is negative, or
             ``alignment`` is not positive.
     """
-    for name, value in (
-        ("sequence_length", sequence_length),
-        ("documents", documents),
-        ("minimum_length", minimum_length),
-    ):
-        if isinstance(value, bool) or not isinstance(value, (int, torch.SymInt)):
-            raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    for value in (sequence_length, documents):
-        if isinstance(value, int) and value < 0:
-            raise ValueError(f"sequence_length and documents must not be negative, got {sequence_length}, {documents}")
+    check_int(sequence_length, "sequence_length", minimum=0)
+    check_int(documents, "documents", minimum=0)
+    check_int(minimum_budget, "minimum_budget")
     alignment = check_positive_int(alignment, "alignment")
-    return _worst_case_length(sequence_length, documents, alignment, minimum_length)
+    return worst_case_budget(sequence_length, documents, alignment, minimum_budget)
 
 
-def _check_lengths(tensor: object, name: str) -> None:
-    if not isinstance(tensor, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+def aligned_length(sequence_length: int, documents: int, alignment: int, minimum_length: int = 0) -> int:
+    """Deprecated spelling of :func:`safe_budget` (``minimum_length`` is ``minimum_budget``)."""
+    deprecated("packfn.aligned_length is deprecated; use packfn.safe_budget (minimum_length is minimum_budget)")
+    return safe_budget(sequence_length, documents, alignment, minimum_length)
 
 
-def _as_rows(tensor: torch.Tensor) -> torch.Tensor:
+def as_rows(tensor: torch.Tensor) -> torch.Tensor:
+    """``[batch, documents]`` length tables: a 1-d table is one row."""
     return tensor.unsqueeze(0) if tensor.ndim == 1 else tensor
 
 
+@renamed_keywords(length="budget")
 def aligned_layout(
     seq_lens: torch.Tensor,
     seq_lens_padded: torch.Tensor | None = None,
     *,
     sequence_length: int,
     alignment: int,
-    length: int,
+    budget: int,
 ) -> PackedSequenceLayout:
-    """Build an aligned layout of fixed row length, with no host sync.
+    """Build an aligned layout of fixed row length ``budget``, with no host sync.
 
     Args:
         seq_lens: int32 or int64 ``[batch, documents]`` (or ``[documents]``
@@ -209,14 +183,15 @@ def aligned_layout(
             length (default: the lengths, documents back to back).
         sequence_length: Input row length ``sequence``.
         alignment: Positive alignment of document starts.
-        length: Aligned row length, a positive multiple of ``alignment``
-            (see :func:`aligned_length` for one that always fits).
+        budget: Aligned row length, a positive multiple of ``alignment``:
+            the packer's budget (:class:`packfn.PackedBatch` ``budget``), or
+            :func:`safe_budget` for one that fits any row.
 
     Returns:
-        :class:`PackedSequenceLayout` with ``[batch, length]`` aligned
+        :class:`PackedSequenceLayout` with ``[batch, budget]`` aligned
         fields and ``[batch, sequence_length]`` ``input_positions``, on
         ``seq_lens.device``. For the example of :mod:`packfn._ops.layout`
-        (``sequence_length=9, alignment=4, length=12``) the fields shown
+        (``sequence_length=9, alignment=4, budget=12``) the fields shown
         there.
 
     Raises:
@@ -226,133 +201,26 @@ def aligned_layout(
         RuntimeError: (asynchronously on a GPU) an absent document with a
             span, a negative length, a span shorter than its length, spans
             past the input row, or aligned documents that do not fit
-            ``length``.
+            ``budget``.
     """
-    _check_lengths(seq_lens, "seq_lens")
-    lengths = _as_rows(seq_lens)
-    spans = lengths if seq_lens_padded is None else seq_lens_padded
-    _check_lengths(spans, "seq_lens_padded")
-    spans = _as_rows(spans)
+    lengths = as_rows(check_tensor(seq_lens, "seq_lens"))
+    spans = lengths if seq_lens_padded is None else as_rows(check_tensor(seq_lens_padded, "seq_lens_padded"))
     if lengths.ndim != 2 or spans.shape != lengths.shape:
         raise ValueError(
             "seq_lens and seq_lens_padded must have matching [batch, documents] shapes, "
             f"got {tuple(seq_lens.shape)} and {tuple(spans.shape)}"
         )
     for name, tensor in (("seq_lens", lengths), ("seq_lens_padded", spans)):
-        if tensor.dtype not in _LENGTH_DTYPES:
+        if tensor.dtype not in LENGTH_DTYPES:
             raise ValueError(f"{name} must hold int32 or int64 document lengths, got dtype {tensor.dtype}")
-    if isinstance(sequence_length, bool) or not isinstance(sequence_length, (int, torch.SymInt)):
-        raise TypeError(f"sequence_length must be an int, got {type(sequence_length).__name__}")
-    if isinstance(sequence_length, int) and sequence_length < 0:
-        raise ValueError(f"sequence_length must not be negative, got {sequence_length}")
+    check_int(sequence_length, "sequence_length", minimum=0)
     alignment = check_positive_int(alignment, "alignment")
-    length = check_positive_int(length, "length")
-    if length % alignment != 0:
-        raise ValueError(f"length={length} must be a multiple of alignment={alignment}")
-    layout = _ops.aligned_layout(lengths, spans, sequence_length, alignment, length)
-    assert_rules(layout.broken, _ops.layout_rules(length))
+    budget = check_positive_int(budget, "budget")
+    if budget % alignment != 0:
+        raise ValueError(f"budget={budget} must be a multiple of alignment={alignment}")
+    layout = _ops.aligned_layout_op(lengths, spans, sequence_length, alignment, budget)
+    assert_rules(layout.broken, _ops.layout_rules(budget))
     return PackedSequenceLayout(layout.source_indices, layout.input_positions, layout.position_ids, layout.sequence_ids)
 
 
-# ---------------------------------------------------------------- drop-in
-
-
-def packed_layout(
-    seq_lens: torch.Tensor,
-    *,
-    seq_lens_padded: torch.Tensor | None,
-    input_shape: tuple[int, int],
-    alignment: int,
-    minimum_length: int = 0,
-) -> PackedSequenceLayout:
-    """Validate packed spans and align document starts (drop-in for upstream ``packed_layout``).
-
-    Args:
-        seq_lens: int32 or int64 ``[batch, documents]`` (or ``[documents]``
-            for batch one) real document lengths; 0 and -1000 mark absent
-            slots.
-        seq_lens_padded: Physical spans of the same shape, or ``None``
-            (documents back to back).
-        input_shape: ``(batch, sequence)`` of the input rows.
-        alignment: Positive alignment of document starts.
-        minimum_length: Minimum aligned row length (a fixed pack budget).
-
-    Returns:
-        :class:`PackedSequenceLayout` on ``seq_lens.device`` whose row
-        length is ``max(minimum_length, 1, longest aligned row)`` rounded up
-        to ``alignment``: 12 for the example of :mod:`packfn._ops.layout`.
-        Under ``torch.compile`` / ``torch.export`` that length is an
-        unbacked size.
-
-    Raises:
-        ValueError: upstream's messages, in upstream's order: non-positive
-            alignment, non-integer dtypes, mismatched shapes, an absent
-            document with a span, and a negative length, a span shorter
-            than its length or spans past the input row. Under
-            ``torch.compile`` / ``torch.export`` the data errors are
-            sync-free asserts (``RuntimeError``) with the same messages.
-    """
-    refuse_jit_trace()
-    if alignment < 1:
-        raise ValueError("Packed alignment must be positive")
-    _check_lengths(seq_lens, "seq_lens")
-    if seq_lens.dtype not in _LENGTH_DTYPES:
-        raise ValueError("seq_lens must contain integer document lengths")
-    lengths = _as_rows(seq_lens)
-    spans = lengths if seq_lens_padded is None else seq_lens_padded
-    _check_lengths(spans, "seq_lens_padded")
-    spans = _as_rows(spans)
-    batch, sequence = _check_input_shape(input_shape)
-    if lengths.ndim != 2 or lengths.shape[0] != batch or spans.shape != lengths.shape:
-        raise ValueError("seq_lens and seq_lens_padded must have matching [batch, documents] shapes")
-    if spans.dtype not in _LENGTH_DTYPES:
-        raise ValueError("seq_lens_padded must contain integer document lengths")
-    alignment = check_positive_int(alignment, "alignment")
-    if isinstance(minimum_length, bool) or not isinstance(minimum_length, int):
-        raise TypeError(f"minimum_length must be an int, got {type(minimum_length).__name__}")
-    floor = max(minimum_length, 1)
-    # The static op at a length every valid input fits, then one read of the
-    # row length and the rule flags together (eager: one host sync and
-    # upstream's ValueError; traced: an unbacked size and sync-free asserts
-    # with upstream's messages), and one trim.
-    bound = _worst_case_length(sequence, lengths.shape[1], alignment, minimum_length)
-    exact = exact_on_cpu(lengths, spans)
-    if exact:
-        # NOTE [Exact sizes on the CPU]: the row length and the op's rule flags
-        # from the document table, then the op's eager tables from the same
-        # table at that length.
-        table = _ops.DocumentTable.build(lengths, spans, alignment, sequence)
-        longest, broken = table.checked(bound)
-    else:
-        layout = _ops.aligned_layout(lengths, spans, sequence, alignment, bound)
-        longest, broken = layout.longest, layout.broken
-    need = _round_up(longest.clamp_min(floor), alignment)
-    (row_length,) = checked_ints([need], [bound], broken, _ops.layout_rules(bound))
-    if exact:
-        source_indices, position_ids, sequence_ids, input_positions = _ops.layout_tables(
-            table, row_length, search_input=False
-        )
-        return PackedSequenceLayout(source_indices, input_positions, position_ids, sequence_ids)
-    # The first row_length columns as new contiguous tensors (like upstream's
-    # fields), taken by index_select rather than a slice: Inductor (torch
-    # 2.13) can save a slice of unbacked width for the backward with other
-    # strides than it planned for ("expected ... stride 4==8").
-    columns = torch.arange(row_length, device=lengths.device)
-    return PackedSequenceLayout(
-        layout.source_indices.index_select(1, columns),
-        layout.input_positions,
-        layout.position_ids.index_select(1, columns),
-        layout.sequence_ids.index_select(1, columns),
-    )
-
-
-def _check_input_shape(input_shape: Sequence[int]) -> tuple[int, int]:
-    if len(input_shape) != 2:
-        raise ValueError(f"input_shape must be (batch, sequence), got {input_shape}")
-    batch, sequence = input_shape
-    for name, value in (("batch", batch), ("sequence", sequence)):
-        if isinstance(value, bool) or not isinstance(value, (int, torch.SymInt)):
-            raise TypeError(f"input_shape {name} must be an int, got {type(value).__name__}")
-        if isinstance(value, int) and value < 0:
-            raise ValueError(f"input_shape must not be negative, got {input_shape}")
-    return batch, sequence
+__getattr__ = moved_names(__name__, {"packed_layout": "packfn.nemo_automodel:packed_layout"})

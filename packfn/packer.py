@@ -1,9 +1,9 @@
 """Alignment-aware packing of documents into rows of fixed budgets (the data-loader side).
 
 The static ops take fixed budgets: ``varlen_metadata(..., max_documents=D)``
-holds at most ``D`` documents per row, and ``aligned_layout(..., length=L)``
+holds at most ``D`` documents per row, and ``aligned_layout(..., budget=L)``
 holds a row whose documents, each rounded up to ``alignment`` columns, take
-at most ``L`` columns. :func:`~packfn.layout.aligned_length` gives the ``L``
+at most ``L`` columns. :func:`packfn.safe_budget` gives the ``L``
 that fits *any* row of ``sequence`` tokens and ``D`` documents, which is up
 to ``D * (alignment - 1)`` columns wider than the tokens (752 columns for
 512 tokens, 16 documents, alignment 16): attention then covers that much
@@ -36,7 +36,7 @@ Every batch satisfies, with no assert tripping::
 
     packfn.varlen_metadata(batch.document_ids, max_documents=max_documents)
     packfn.aligned_layout(batch.seq_lens, batch.seq_lens_padded,
-                          sequence_length=sequence, alignment=alignment, length=budget)
+                          sequence_length=sequence, alignment=alignment, budget=budget)
 
 and ``batch_metadata(document_ids, max_documents=...)`` recovers ``seq_lens``.
 """
@@ -49,6 +49,10 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
+
+from packfn._checks import check_positive_int
+from packfn._deprecated import deprecated
+from packfn._utils import round_up
 
 __all__ = ["PackedBatch", "Piece", "pack_documents", "pack_stream"]
 
@@ -120,9 +124,15 @@ class PackedBatch:
         return sum(piece.length for row in self.rows for piece in row)
 
     @property
-    def fill(self) -> float:
+    def fill_ratio(self) -> float:
         """Real tokens over the aligned area ``batch * budget`` (what attention and the packed rows cover)."""
         return self.num_tokens / (self.batch * self.budget)
+
+    @property
+    def fill(self) -> float:
+        """Deprecated spelling of :attr:`fill_ratio`."""
+        deprecated("PackedBatch.fill is deprecated; use PackedBatch.fill_ratio")
+        return self.fill_ratio
 
     def gather(
         self,
@@ -176,28 +186,16 @@ class _Budgets(NamedTuple):
     split: bool
 
 
-def _round_up(value: int, multiple: int) -> int:
-    return -(-value // multiple) * multiple
-
-
-def _positive_int(value: object, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < 1:
-        raise ValueError(f"{name} must be positive, got {value}")
-    return value
-
-
 def _budgets(
     sequence: object, alignment: object, max_documents: object, budget: object, multiple: object, split: object
 ) -> _Budgets:
-    sequence = _positive_int(sequence, "sequence")
-    alignment = _positive_int(alignment, "alignment")
-    max_documents = _positive_int(max_documents, "max_documents")
-    multiple = _positive_int(multiple, "pad_to_multiple_of")
+    sequence = check_positive_int(sequence, "sequence")
+    alignment = check_positive_int(alignment, "alignment")
+    max_documents = check_positive_int(max_documents, "max_documents")
+    multiple = check_positive_int(multiple, "pad_to_multiple_of")
     if budget is None:
-        budget = _round_up(sequence, alignment)
-    budget = _positive_int(budget, "budget")
+        budget = round_up(sequence, alignment)
+    budget = check_positive_int(budget, "budget")
     if budget % alignment:
         raise ValueError(f"budget={budget} must be a multiple of alignment={alignment}")
     if multiple > sequence:
@@ -234,15 +232,15 @@ def _rows(lengths: Iterable, budgets: _Budgets) -> Iterator[tuple[list[Piece], d
 
     def place(index: int, offset: int, length: int, total: int) -> None:
         nonlocal used_span, used_aligned
-        span = _round_up(length, multiple)
+        span = round_up(length, multiple)
         row.append(Piece(index, offset, length, span, used_span))
         totals[index] = total
         used_span += span
-        used_aligned += _round_up(length, alignment)
+        used_aligned += round_up(length, alignment)
 
     for index, value in enumerate(lengths):
         length = _document_length(value, index)
-        span, aligned = _round_up(length, multiple), _round_up(length, alignment)
+        span, aligned = round_up(length, multiple), round_up(length, alignment)
         if span <= sequence and aligned <= budget:  # fits an empty row: never split
             if len(row) == cap or used_span + span > sequence or used_aligned + aligned > budget:
                 yield row, totals
@@ -346,7 +344,7 @@ def pack_documents(
         [[5, 3, 0], [6, 2, 0], [9, 0, 0]]
         >>> packed.document_ids[0].tolist()
         [1, 1, 1, 1, 1, 2, 2, 2, 0, 0, 0, 0, 0, 0, 0, 0]
-        >>> packed.budget, packed.fill  # vs aligned_length(16, 3, 4) == 24 columns
+        >>> packed.budget, packed.fill_ratio  # vs safe_budget(16, 3, 4) == 24 columns
         (16, 0.5208333333333334)
 
     Documents 0 and 1 take 8 + 4 aligned columns; document 2 (8 more) would
@@ -355,7 +353,7 @@ def pack_documents(
     """
     budgets = _budgets(sequence, alignment, max_documents, budget, pad_to_multiple_of, split)
     if batch is not None:
-        batch = _positive_int(batch, "batch")
+        batch = check_positive_int(batch, "batch")
     rows = list(_rows(lengths, budgets))
     if batch is None:
         if not rows:
@@ -403,7 +401,7 @@ def pack_stream(
             the call, a bad document when the stream reaches it.
     """
     budgets = _budgets(sequence, alignment, max_documents, budget, pad_to_multiple_of, split)
-    batch = _positive_int(batch, "batch")
+    batch = check_positive_int(batch, "batch")
     _check_iterable(lengths)
     return _stream(lengths, batch, budgets, drop_last)
 

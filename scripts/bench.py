@@ -32,15 +32,12 @@ import json
 import math
 import platform
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from scripts.benchmarks.common import Case, make_inputs
+from benchmarks.common import Case, make_inputs
 
 FAMILIES = ("metadata", "layout", "attention")
 

@@ -8,7 +8,7 @@ in interleaved rounds:
 - ``upstream``: ``nemo_automodel``'s ``shard_cp_batch(..., packed_alignment=128,
   sync_packed_length=True)`` (a host read of the packed length and an
   all-reduce of it, then the pack and the contiguous shard);
-- ``packfn drop-in``: :func:`packfn.distributed.shard_cp_batch`, same arguments, same results;
+- ``packfn drop-in``: :func:`packfn.nemo_automodel.shard_cp_batch`, same arguments, same results;
 - ``packfn static``: :func:`packfn.distributed.shard_packed_batch` at a fixed
   budget (the same row length, rounded to ``world * 128``: what a packer
   guarantees), eager, and compiled with ``fullgraph=True`` (``--compile``);
@@ -32,7 +32,6 @@ import json
 import os
 import socket
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -40,9 +39,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from scripts.benchmarks.common import make_inputs
+from benchmarks.common import make_inputs
 
 ALIGNMENT = 128
 
@@ -57,7 +54,8 @@ def _variants(inputs, world: int, rank: int, hidden: int, compile_static: bool):
     from nemo_automodel.components.models.deepseek_v41.cp import shard_cp_batch as upstream_shard
     from torch.distributed.device_mesh import init_device_mesh
 
-    from packfn.distributed import gather_sequence, shard_cp_batch, shard_packed_batch
+    from packfn import shard_packed_batch
+    from packfn.nemo_automodel import gather_sequence, shard_cp_batch
 
     mesh = init_device_mesh("cpu", (world,))
     generator = torch.Generator().manual_seed(0)

@@ -18,20 +18,15 @@ Steps, each checked:
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-_REPO = Path(__file__).resolve().parents[1]
-if str(_REPO) not in sys.path:
-    sys.path.insert(0, str(_REPO))
+import torch
 
-import torch  # noqa: E402
-
-from scripts.packed_decoder import PackedDecoder, add_model_arguments, batches_and_config  # noqa: E402
+from packed_decoder import PackedDecoder, add_model_arguments, batches_and_config
 
 __all__ = ["ExportReport", "main", "packfn_nodes", "run"]
 

@@ -49,11 +49,7 @@ import traceback
 from collections.abc import Callable
 from pathlib import Path
 
-_REPO = Path(__file__).resolve().parents[1]
-if str(_REPO) not in sys.path:
-    sys.path.insert(0, str(_REPO))
-
-import torch  # noqa: E402
+import torch
 
 SECTIONS = ("codegen", "compiled", "sync", "bandwidth", "upstream", "model")
 METADATA_OPS = ("varlen_metadata", "batch_metadata", "flatten_metadata")
@@ -138,16 +134,15 @@ def count_kernels(codes: list[str]) -> dict[str, object]:
 def static_ops(inputs, alignment: int) -> dict[str, tuple[Callable[..., object], tuple]]:
     """Name to ``(function, args)`` for every static op, on ``inputs`` (scripts/benchmarks/common.Inputs)."""
     import packfn
-    from packfn import attention
-    from packfn.layout import aligned_layout, aligned_length
+    from packfn import aligned_layout, attention, safe_budget
 
     mask, seq_lens, capacity = inputs.document_ids, inputs.seq_lens, inputs.max_documents
     sequence = mask.shape[1]
-    length = aligned_length(sequence, seq_lens.shape[1], alignment)
+    budget = safe_budget(sequence, seq_lens.shape[1], alignment)
     narrow = packfn.batch_metadata(mask, max_documents=capacity)
 
     def layout_of(seq_lens):
-        return aligned_layout(seq_lens, sequence_length=sequence, alignment=alignment, length=length)
+        return aligned_layout(seq_lens, sequence_length=sequence, alignment=alignment, budget=budget)
 
     return {
         "varlen_metadata": (lambda mask: packfn.varlen_metadata(mask, max_documents=capacity), (mask,)),
@@ -165,7 +160,7 @@ def static_ops(inputs, alignment: int) -> dict[str, tuple[Callable[..., object],
 
 
 def _mask_op(mask_inputs):
-    from packfn.attention import block_causal_mask
+    from packfn import block_causal_mask
 
     return "block_causal_mask", (block_causal_mask, (mask_inputs.document_ids,))
 
@@ -243,9 +238,9 @@ def _gradient_of(function, values: torch.Tensor, args: tuple) -> torch.Tensor:
 
 def section_compiled(arguments, inputs_by_sequence, mask_inputs) -> dict:
     import packfn
-    from packfn.attention import block_causal_mask, packed_position_ids, unpad
-    from packfn.layout import aligned_layout, aligned_length
-    from scripts.benchmarks.common import make_inputs
+    from packfn import aligned_layout, block_causal_mask, packed_position_ids, safe_budget, unpad
+
+    from benchmarks.common import make_inputs
 
     result = {}
     sizes = [
@@ -271,7 +266,7 @@ def section_compiled(arguments, inputs_by_sequence, mask_inputs) -> dict:
         inputs.seq_lens,
         sequence_length=inputs.sequence,
         alignment=arguments.alignment,
-        length=aligned_length(inputs.sequence, inputs.seq_lens.shape[1], arguments.alignment),
+        budget=safe_budget(inputs.sequence, inputs.seq_lens.shape[1], arguments.alignment),
     )
     metadata = packfn.varlen_metadata(inputs.document_ids, max_documents=inputs.max_documents)
     packed = layout.pack(inputs.values)
@@ -294,11 +289,11 @@ def section_compiled(arguments, inputs_by_sequence, mask_inputs) -> dict:
 
 
 def _bandwidth(arguments, sequence: int, inputs) -> dict:
-    from packfn.layout import aligned_layout, aligned_length
+    from packfn import aligned_layout, safe_budget
 
     values, seq_lens = inputs.values, inputs.seq_lens
-    length = aligned_length(sequence, seq_lens.shape[1], arguments.alignment)
-    layout = aligned_layout(seq_lens, sequence_length=sequence, alignment=arguments.alignment, length=length)
+    budget = safe_budget(sequence, seq_lens.shape[1], arguments.alignment)
+    layout = aligned_layout(seq_lens, sequence_length=sequence, alignment=arguments.alignment, budget=budget)
     packed = layout.pack(values)
     pack = torch.compile(lambda values: layout.pack(values), fullgraph=True, dynamic=False)
     restore = torch.compile(lambda values: layout.restore(values), fullgraph=True, dynamic=False)
@@ -312,7 +307,7 @@ def _bandwidth(arguments, sequence: int, inputs) -> dict:
         ),
         "pack": (
             _median_ms(lambda: pack(values), arguments.repeats, arguments.device),
-            (values.shape[0] * length + real) * row_bytes,
+            (values.shape[0] * budget + real) * row_bytes,
         ),
         "restore": (
             _median_ms(lambda: restore(packed), arguments.repeats, arguments.device),
@@ -392,7 +387,7 @@ def section_model(arguments, inputs_by_sequence, mask_inputs) -> dict:
 
     from torch._dynamo.utils import counters
 
-    from scripts.packed_decoder import (
+    from packed_decoder import (
         DecoderConfig,
         PackedDecoder,
         make_batches,
@@ -480,7 +475,7 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    from scripts.benchmarks.common import make_inputs
+    from benchmarks.common import make_inputs
 
     started = time.perf_counter()
     inputs_by_sequence = {

@@ -7,7 +7,7 @@ is built from a ``LlamaConfig`` with random weights (nothing is downloaded)
 and each way trains its own copy of the same initial model with AdamW, one
 step per batch, on the same batches:
 
-1. **packfn**: ``model(**packfn.hf_model_inputs(document_ids, model.config,
+1. **packfn**: ``model(**packfn.hf.hf_model_inputs(document_ids, model.config,
    input_ids=tokens, labels=tokens))``, the ``hf_model_inputs`` call inside
    the compiled step: restarting ``position_ids``, labels with -100 at
    padding and at each document's first token, and the attention input of
@@ -59,19 +59,16 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 
-_REPO = Path(__file__).resolve().parents[1]
-if str(_REPO) not in sys.path:
-    sys.path.insert(0, str(_REPO))
+import torch
+import transformers
+from torch._dynamo.utils import counters
 
-import torch  # noqa: E402
-import transformers  # noqa: E402
-from torch._dynamo.utils import counters  # noqa: E402
+import packfn
+import packfn.hf
 
-import packfn  # noqa: E402
-from scripts.main_job import CountingInductor  # noqa: E402
-from scripts.packed_decoder import document_lengths  # noqa: E402
+from main_job import CountingInductor
+from packed_decoder import document_lengths
 
 __all__ = ["HFTrainReport", "Way", "flex_backward_error", "main", "make_steps", "parse_args", "run"]
 
@@ -162,7 +159,7 @@ def packfn_loss(block_size: int) -> Callable[..., torch.Tensor]:
     """Way 1: the model's loss on ``hf_model_inputs`` of the packed batch (the call inside the compiled step)."""
 
     def loss(model, step: Step) -> torch.Tensor:
-        inputs = packfn.hf_model_inputs(
+        inputs = packfn.hf.hf_model_inputs(
             step.document_ids, model.config, input_ids=step.input_ids, labels=step.input_ids, block_size=block_size
         )
         return model(**inputs).loss

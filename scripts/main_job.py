@@ -5,7 +5,7 @@ exponential lengths fill rows under a fixed aligned budget (by default the
 input row length) with at most ``--max-documents`` per row, so the static
 budgets the compiled model takes (``max_documents`` of
 :func:`packfn.batch_metadata`, ``length`` of
-:func:`packfn.layout.aligned_layout`) are the packer's, not the worst case.
+:func:`packfn.aligned_layout`) are the packer's, not the worst case.
 
 The model (``scripts/packed_decoder.py``) is trained on the same batches,
 from the same initial weights, by three drivers:
@@ -41,7 +41,7 @@ one run folder under ``--out``.
 
 Attention is SDPA with the dense bool block-causal mask: on the CPU,
 FlexAttention has no backward (torch 2.13 raises NotImplementedError).
-``--attention flex`` builds :func:`packfn.attention.document_block_mask`
+``--attention flex`` builds :func:`packfn.document_block_mask`
 instead (GPU training; the upstream drivers keep the dense mask).
 
     python scripts/main_job.py                   # defaults: about two minutes on 2 CPU cores
@@ -54,20 +54,16 @@ from __future__ import annotations
 import argparse
 import copy
 import statistics
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-_REPO = Path(__file__).resolve().parents[1]
-if str(_REPO) not in sys.path:
-    sys.path.insert(0, str(_REPO))
+import torch
+from torch._dynamo.utils import counters
 
-import torch  # noqa: E402
-from torch._dynamo.utils import counters  # noqa: E402
+from packfn import safe_budget
 
-from packfn import aligned_length  # noqa: E402
-from scripts.packed_decoder import (  # noqa: E402
+from packed_decoder import (
     Batch,
     DecoderConfig,
     PackedDecoder,
@@ -269,7 +265,7 @@ class MainJobReport:
             "== packfn main job report ==",
             f"batches:      {self.steps} of {self.batch} x {config.sequence} tokens (mean document {self.mean}), "
             f"packed by packfn.pack_stream: max_documents={config.max_documents}, budget={config.length} aligned "
-            f"columns (without the packer: aligned_length({config.sequence}, {config.max_documents}, "
+            f"columns (without the packer: safe_budget({config.sequence}, {config.max_documents}, "
             f"{config.alignment}) = {self.worst_case_length})",
             f"real tokens:  {self.budget_fill:.1%} of the budget ({self.real_tokens} of {self.steps} x {self.batch} x "
             f"{config.length}); upstream's data-dependent rows would be {statistics.mean(self.upstream_lengths):.0f} "
@@ -510,7 +506,7 @@ def run(arguments: argparse.Namespace) -> MainJobReport:
     batches, config = batches_and_config(arguments, arguments.steps)
     torch.manual_seed(0)
     model = PackedDecoder(config).to(device)
-    worst = aligned_length(config.sequence, config.max_documents, config.alignment)
+    worst = safe_budget(config.sequence, config.max_documents, config.alignment)
     print(
         f"model: batch={arguments.batch} sequence={config.sequence} aligned budget={config.length} "
         f"(packer: alignment {config.alignment}, D={config.max_documents}; worst case {worst}) "

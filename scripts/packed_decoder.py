@@ -6,7 +6,7 @@ importing it has no side effects (no compile, no sys.path change, no upstream im
 Batches come from :func:`packfn.pack_stream` over a seeded stream of
 exponential document lengths: every row fits ``max_documents`` documents and
 the aligned budget (by default the input row length), so the model's static
-budgets are the packer's, not the worst case of :func:`packfn.aligned_length`.
+budgets are the packer's, not the worst case of :func:`packfn.safe_budget`.
 
 The model takes token ids ``[batch, sequence]`` and either a document-id mask
 ``[batch, sequence]`` (1-based ids, 0 at padding, the packing format of
@@ -15,14 +15,14 @@ everything between the mask and the attention kernel has static shapes:
 
 1. :func:`packfn.batch_metadata` parses the mask into row-local boundaries
    ``[batch, D + 1]``, hence the lengths ``[batch, D]`` (``D`` = the packer's cap);
-2. :func:`packfn.layout.aligned_layout` aligns each document start to
+2. :func:`packfn.aligned_layout` aligns each document start to
    ``alignment`` columns in rows of the fixed length ``budget``, which the
    packer guarantees every batch fits (without a packer:
-   :func:`packfn.layout.aligned_length`, the worst case);
+   :func:`packfn.safe_budget`, the worst case);
 3. ``pack`` moves the embeddings into the aligned rows; ``position_ids`` of the
-   layout drive RoPE; :func:`packfn.attention.block_causal_mask` of the layout's
+   layout drive RoPE; :func:`packfn.block_causal_mask` of the layout's
    ``sequence_ids`` is the SDPA mask (or, on a GPU, a FlexAttention
-   ``BlockMask`` from :func:`packfn.attention.document_block_mask`);
+   ``BlockMask`` from :func:`packfn.document_block_mask`);
 4. ``restore`` brings the hidden states back to the input columns for the LM head.
 
 :func:`upstream_loss_function` runs the same weights through NeMo AutoModel
@@ -44,9 +44,16 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention.flex_attention import flex_attention
 
-from packfn import PackedBatch, batch_metadata, pack_stream
-from packfn.attention import block_causal_mask, document_block_mask
-from packfn.layout import PackedSequenceLayout, aligned_layout, aligned_length
+from packfn import (
+    PackedBatch,
+    PackedSequenceLayout,
+    aligned_layout,
+    batch_metadata,
+    block_causal_mask,
+    document_block_mask,
+    pack_stream,
+    safe_budget,
+)
 
 __all__ = [
     "Batch",
@@ -72,7 +79,7 @@ class DecoderConfig:
     """Model and packing sizes: ``max_documents`` (``D``) and ``budget`` are the packer's.
 
     ``budget`` is the aligned row length; ``None`` takes the worst case
-    :func:`packfn.aligned_length` (fits any batch, packed or not).
+    :func:`packfn.safe_budget` (fits any batch, packed or not).
     """
 
     sequence: int = 512
@@ -91,7 +98,7 @@ class DecoderConfig:
         """The aligned row length: ``budget``, else the worst case of ``max_documents`` documents in ``sequence``."""
         if self.budget is not None:
             return self.budget
-        return aligned_length(self.sequence, self.max_documents, self.alignment)
+        return safe_budget(self.sequence, self.max_documents, self.alignment)
 
 
 # ---------------------------------------------------------------- the model
@@ -175,7 +182,7 @@ class PackedDecoder(nn.Module):
             metadata = batch_metadata(document_ids, max_documents=config.max_documents)
             seq_lens = lengths_from_boundaries(metadata.cu_seqlens)
         return aligned_layout(
-            seq_lens, sequence_length=config.sequence, alignment=config.alignment, length=config.length
+            seq_lens, sequence_length=config.sequence, alignment=config.alignment, budget=config.length
         )
 
     def forward(

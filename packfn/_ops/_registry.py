@@ -3,8 +3,8 @@
 NOTE [One body, three roles]
 Every packfn op is written once, as a plain function of tensors built from
 vectorized aten calls (no Python loop over rows or documents, no host sync;
-the one exception is ``_sizes`` below, the drop-ins' trim step, whose whole
-job is to read values back).
+the one exception is ``packfn::_sizes`` of :mod:`packfn.nemo_automodel._trim`,
+the drop-ins' trim step, whose whole job is to read values back).
 :func:`packfn_op` registers that body in three roles:
 
 1. the eager kernel of ``torch.library.custom_op("packfn::<name>")``, so
@@ -38,7 +38,8 @@ from typing import Any, NamedTuple
 
 import torch
 from torch._C import DispatchKey
-from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+from packfn._compat import current_dispatch_mode
 
 NAMESPACE = "packfn"
 
@@ -46,11 +47,8 @@ __all__ = [
     "NAMESPACE",
     "Rule",
     "assert_rules",
-    "checked_ints",
     "named_value",
     "packfn_op",
-    "python_ints",
-    "refuse_jit_trace",
 ]
 
 
@@ -106,7 +104,7 @@ def packfn_op(
             # costs more than a small mask's whole parse, and an op with
             # named outputs has none that is differentiable. Traced (compile,
             # export, a dispatch mode such as FakeTensorMode), it stays the op.
-            if torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None:
+            if torch.compiler.is_compiling() or current_dispatch_mode() is not None:
                 return outputs(*op(*args))
             return outputs(*kernel(*args))
 
@@ -126,69 +124,6 @@ def named_value(name: str, value: object) -> str:
     return name if torch.compiler.is_compiling() else f"{name}={value}"
 
 
-# NOTE [Data-dependent sizes without graph breaks]
-# The drop-in API returns Python ints (``max_seqlen``) and tensors whose
-# length depends on data (``indices[:tokens]``). ``Tensor.item()`` graph-breaks
-# under torch.compile unless ``capture_scalar_outputs`` is set globally, so
-# instead ``_sizes`` returns an empty tensor of shape ``[*values, 0]``: in
-# eager its shape holds the values (one host sync for all of them); under
-# torch.compile / torch.export its fake carries fresh unbacked SymInts, and
-# its decomposition reads each value with ``.item()``, which AOTAutograd
-# turns into an unbacked size. Nothing is allocated: the tensor has no
-# elements.
-
-
-def _sizes_fake(values: torch.Tensor, bounds: list[int]) -> torch.Tensor:
-    """``[*values, 0]`` with one unbacked size in ``[0, bound]`` per value."""
-    ctx = torch.library.get_ctx()
-    sizes = [ctx.new_dynamic_size(min=0, max=bound) for bound in bounds]
-    return values.new_empty((*sizes, 0))
-
-
-def _sizes_eager(values: torch.Tensor, bounds: list[int]) -> torch.Tensor:
-    # One read for all values: a single host sync.
-    return values.new_empty((*values.tolist(), 0))
-
-
-@packfn_op("_sizes", fake=_sizes_fake, eager=_sizes_eager)
-def _sizes(values: torch.Tensor, bounds: list[int]) -> torch.Tensor:
-    # Traced: one unbacked size per value, with its declared range (the
-    # fake's range never reaches a trace: FakeTensorMode runs this body).
-    sizes = []
-    for index, bound in enumerate(bounds):
-        size = values[index].item()
-        torch._check(size >= 0, lambda: "a packfn size read back is negative")
-        torch._check(size <= bound, lambda: "a packfn size read back exceeds its bound")
-        sizes.append(size)
-    return values.new_empty((*sizes, 0))
-
-
-def python_ints(values: list[torch.Tensor], bounds: list[int]) -> tuple[int, ...]:
-    """Read 0-d integer tensors as Python ints (SymInts under compile), each in ``[0, bound]``.
-
-    Eager: one host sync for all values. Under torch.compile or torch.export:
-    unbacked SymInts, no graph break (NOTE [Data-dependent sizes without graph breaks]).
-    """
-    if not values:
-        return ()
-    if not torch.compiler.is_compiling():
-        read = torch.stack([value.reshape(()).to(torch.int64) for value in values]).tolist()
-        return _clamped(read, bounds)
-    # Clamped into the declared range: values read alongside broken-rule
-    # flags (``checked_ints``) may be meaningless, never out of range. A
-    # bound of 2**62 at most leaves room for ``size + 1`` in int64 (an int64
-    # mask's largest id is bounded by 2**63 - 1).
-    bounds = [min(bound, 2**62) for bound in bounds]
-    stacked = torch.stack(
-        [value.reshape(()).to(torch.int64).clamp(0, bound) for value, bound in zip(values, bounds, strict=True)]
-    )
-    return tuple(_sizes(stacked, list(bounds)).shape[:-1])
-
-
-def _clamped(read: list[int], bounds: list[int]) -> tuple[int, ...]:
-    return tuple(min(max(value, 0), bound) for value, bound in zip(read, bounds, strict=True))
-
-
 # NOTE [One way to report a broken rule]
 # An op never raises on data and never asserts inside its body. Its last
 # output, ``broken``, is a bool vector with one flag per data rule of its
@@ -200,7 +135,7 @@ def _clamped(read: list[int], bounds: list[int]) -> tuple[int, ...]:
 #   rule, with the rule's message. No host sync: a ``RuntimeError`` in
 #   eager on the CPU, an asynchronous device assert on a GPU and in
 #   Inductor's generated code.
-# - :func:`checked_ints`, the drop-ins: in eager one host sync reads the
+# - ``checked_ints`` (:mod:`packfn.nemo_automodel._trim`), the drop-ins: in eager one host sync reads the
 #   flags together with the drop-in's data-dependent sizes and raises
 #   ``ValueError`` with the first broken rule's upstream message; under
 #   torch.compile / torch.export the same message goes into a sync-free
@@ -233,37 +168,3 @@ def assert_rules(broken: torch.Tensor, rules: tuple[Rule, ...], *, drop_in: bool
     """Sync-free check of an op's rule flags: bool ``[len(rules)]``, True where a rule is broken."""
     for index, rule in enumerate(rules):
         torch._assert_async(~broken[index], rule.drop_in if drop_in else rule.message)
-
-
-def refuse_jit_trace() -> None:
-    """Raise under ``torch.jit.trace``, which would keep what a drop-in reads from the data as constants."""
-    if torch.jit.is_tracing():
-        raise RuntimeError(
-            "packfn's drop-ins size their outputs and check their inputs by the data, which torch.jit.trace "
-            "records as constants; use torch.export or torch.compile (or the static API) instead"
-        )
-
-
-def checked_ints(
-    values: list[torch.Tensor], bounds: list[int], broken: torch.Tensor, rules: tuple[Rule, ...]
-) -> tuple[int, ...]:
-    """Read ``values`` as ints for a drop-in, enforcing the rule flags ``broken``.
-
-    See NOTE [One way to report a broken rule].
-
-    Eager: one host sync reads the values and the flags together, then a
-    ``ValueError`` carries the first broken rule's upstream message. Under
-    torch.compile / torch.export: sync-free asserts with the same messages,
-    and unbacked SymInts. Under ``torch.jit.trace``: a ``RuntimeError``,
-    since the trace would keep the values read as constants.
-    """
-    if torch.compiler.is_compiling():
-        assert_rules(broken, rules, drop_in=True)
-        return python_ints(values, bounds)
-    refuse_jit_trace()
-    # One read of the flags and the values together.
-    read = torch.cat([broken.to(torch.int64), *(value.reshape(1).to(torch.int64) for value in values)]).tolist()
-    for flag, rule in zip(read[: len(rules)], rules, strict=True):
-        if flag:
-            raise ValueError(rule.drop_in)
-    return _clamped(read[len(rules) :], bounds)

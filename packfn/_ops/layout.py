@@ -33,16 +33,17 @@ import torch.nn.functional as F
 
 from packfn._ops._registry import Rule, named_value, packfn_op
 from packfn._ops.metadata import search_running_sums
+from packfn._utils import round_up
 
 __all__ = [
     "ABSENT",
     "AlignedLayoutOutputs",
     "DocumentTable",
-    "aligned_layout",
+    "aligned_layout_op",
     "layout_rules",
     "layout_tables",
-    "pack",
-    "restore",
+    "pack_op",
+    "restore_op",
 ]
 
 ABSENT = -1000
@@ -61,7 +62,7 @@ def layout_rules(length: int) -> tuple[Rule, ...]:
     :meth:`DocumentTable.violations`); the op flags those of the first broken
     document in row-major order, so the first flagged rule is the error
     upstream raises (it walks rows, then documents). The last is the static
-    row length ``length``.
+    row length (the budget) ``length``.
     """
     return (
         Rule(
@@ -73,7 +74,7 @@ def layout_rules(length: int) -> tuple[Rule, ...]:
             _SPAN_EXCEEDED,
         ),
         Rule("the documents' physical spans must not run past the input row (sequence_length)", _SPAN_EXCEEDED),
-        Rule(f"the aligned documents of a row do not fit {named_value('length', length)}", _SPAN_EXCEEDED),
+        Rule(f"the aligned documents of a row do not fit {named_value('budget', length)}", _SPAN_EXCEEDED),
     )
 
 
@@ -116,7 +117,7 @@ class DocumentTable(NamedTuple):
         # from wrapping int64 for lengths near its limit.
         real = torch.where(present, lengths, 0).clamp(0, sequence_length + 1)
         span = torch.where(present, spans, 0).clamp(0, sequence_length + 1)
-        width = (real + alignment - 1) // alignment * alignment
+        width = round_up(real, alignment)
         input_bounds = F.pad(span, (1, 0)).cumsum(1)
         aligned_bounds = F.pad(width, (1, 0)).cumsum(1)
         return cls(lengths, spans, present, real, input_bounds, aligned_bounds, sequence_length, alignment)
@@ -289,7 +290,7 @@ def _aligned_layout_eager(
 
 
 @packfn_op("aligned_layout", fake=_aligned_layout_fake, outputs=AlignedLayoutOutputs, eager=_aligned_layout_eager)
-def aligned_layout(
+def aligned_layout_op(
     seq_lens: torch.Tensor, seq_lens_padded: torch.Tensor, sequence_length: int, alignment: int, length: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     return _aligned_layout(seq_lens, seq_lens_padded, sequence_length, alignment, length, search_input=True)
@@ -342,21 +343,21 @@ def _setup_context(ctx, inputs, output) -> None:
 
 def _pack_backward(ctx, grad: torch.Tensor):
     source_indices, input_positions = ctx.saved_tensors
-    return torch.ops.packfn.restore(grad, input_positions, source_indices), None, None, None
+    return restore_op(grad, input_positions, source_indices), None, None, None
 
 
 def _restore_backward(ctx, grad: torch.Tensor):
     input_positions, source_indices = ctx.saved_tensors
-    return torch.ops.packfn.pack(grad, source_indices, input_positions, 0.0), None, None
+    return pack_op(grad, source_indices, input_positions, 0.0), None, None
 
 
 @packfn_op("pack", fake=_pack_fake, backward=_pack_backward, setup_context=_setup_context)
-def pack(
+def pack_op(
     values: torch.Tensor, source_indices: torch.Tensor, input_positions: torch.Tensor, fill: float
 ) -> torch.Tensor:
     return _gather_rows(values, source_indices, fill)
 
 
 @packfn_op("restore", fake=_restore_fake, backward=_restore_backward, setup_context=_setup_context)
-def restore(values: torch.Tensor, input_positions: torch.Tensor, source_indices: torch.Tensor) -> torch.Tensor:
+def restore_op(values: torch.Tensor, input_positions: torch.Tensor, source_indices: torch.Tensor) -> torch.Tensor:
     return _gather_rows(values, input_positions, 0.0)

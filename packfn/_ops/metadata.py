@@ -1,13 +1,13 @@
 """Ops that parse packing masks into varlen metadata (shape-static).
 
-Packing format (used by every docstring in packfn): ``attention_mask`` is
+Packing format (used by every docstring in packfn): ``document_ids`` is
 ``[batch, sequence]``, integer or bool. ``0`` is padding; a positive value is
 the 1-based id of the document the token belongs to, local to its row. Ids
 never decrease along a row (padding may sit anywhere, even inside a
 document), and gaps in the ids are allowed. A bool mask, or ids that are all
 ``1``, has one document per non-empty row. Example, ``batch=2, sequence=6``::
 
-    attention_mask = [[1, 1, 2, 2, 2, 0],      # documents of 2 and 3 tokens
+    document_ids = [[1, 1, 2, 2, 2, 0],      # documents of 2 and 3 tokens
                       [1, 1, 1, 1, 0, 0]]      # one document of 4 tokens
     flat token stream:   positions 0 1 2 3 4 | 6 7 8 9   (9 tokens)
     cu_seqlens (flat):   [0, 2, 5, 9]
@@ -21,6 +21,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from packfn._compat import scatter
 from packfn._ops._registry import Rule, named_value, packfn_op
 
 __all__ = [
@@ -28,20 +29,25 @@ __all__ = [
     "BatchOutputs",
     "FlattenOutputs",
     "VarlenOutputs",
-    "batch_metadata",
+    "batch_metadata_op",
+    "binary_search_slots",
+    "broken_fake",
     "flat_boundaries",
-    "flatten_metadata",
+    "flatten_metadata_op",
     "flatten_violations",
+    "mask_flags",
     "mask_rules",
-    "varlen_metadata",
+    "search_running_sums",
+    "varlen_metadata_op",
 ]
 
 
-def mask_rules(max_documents: int, name: str = "attention_mask") -> tuple[Rule, ...]:
+def mask_rules(max_documents: int, name: str = "document_ids") -> tuple[Rule, ...]:
     """Data rules of a packing mask named ``name``, in the order of every mask op's ``broken`` flags.
 
     Upstream does not check these (its output is inconsistent there); the
-    drop-ins raise the same messages as ``ValueError``.
+    drop-ins raise the same messages as ``ValueError``. With
+    ``max_documents = sequence`` the third rule never breaks.
     """
     return (
         Rule(f"{name} must not contain negative document ids"),
@@ -51,6 +57,23 @@ def mask_rules(max_documents: int, name: str = "attention_mask") -> tuple[Rule, 
         ),
         Rule(f"a row of {name} holds more documents than {named_value('max_documents', max_documents)}"),
     )
+
+
+def mask_flags(document_ids: torch.Tensor, check: bool) -> torch.Tensor:
+    """Bool ``[3]``: the :func:`mask_rules` flags of ``[batch, sequence]`` ids (``D = sequence``), all False unchecked.
+
+    NOTE [Check once]: a public function that has the flags of a mask
+    already (from the first op it called on it) passes ``check=False`` to
+    the others, so no op parses the mask twice.
+    """
+    if not check:
+        return document_ids.new_zeros(3, dtype=torch.bool)
+    return _parse_mask(document_ids, document_ids.shape[1]).broken
+
+
+def broken_fake(document_ids: torch.Tensor) -> torch.Tensor:
+    """Bool ``[3]``: the rule flags of a mask op."""
+    return document_ids.new_empty(3, dtype=torch.bool)
 
 
 class _ParsedMask(NamedTuple):
@@ -72,12 +95,10 @@ def _valid_first(valid: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tenso
     valid_seen = valid.cumsum(0)
     positions = torch.arange(valid.numel(), device=valid.device)
     destination = torch.where(valid, valid_seen - 1, (positions - valid_seen).add_(valid_seen[-1]))
-    # Out of place: torch 2.11 loses an unbacked size of a compiled drop-in
-    # (PendingUnbackedSymbolNotFound) after an in-place scatter here.
-    return torch.empty_like(values).scatter(0, destination, values), valid_seen
+    return scatter(torch.empty_like(values), 0, destination, values), valid_seen
 
 
-def _parse_mask(attention_mask: torch.Tensor, max_documents: int) -> _ParsedMask:
+def _parse_mask(document_ids: torch.Tensor, max_documents: int) -> _ParsedMask:
     """Find the documents of a ``[batch, sequence]`` mask in a few fused passes.
 
     Valid tokens keep their order at the front of ``indices`` and padding
@@ -89,8 +110,8 @@ def _parse_mask(attention_mask: torch.Tensor, max_documents: int) -> _ParsedMask
     it, and no running maximum (``cummax``, slow in aten and not lowered by
     Inductor on the CPU) is needed.
     """
-    batch, sequence = attention_mask.shape
-    ids = attention_mask.to(torch.int64).reshape(-1)
+    batch, sequence = document_ids.shape
+    ids = document_ids.to(torch.int64).reshape(-1)
     valid = ids != 0
     indices, valid_seen = _valid_first(valid, torch.arange(ids.numel(), device=ids.device))
     earlier = valid_seen - valid.long()  # valid tokens before each position
@@ -106,7 +127,7 @@ def _parse_mask(attention_mask: torch.Tensor, max_documents: int) -> _ParsedMask
     return _ParsedMask(valid.view(batch, sequence), starts.view(batch, sequence), broken, indices, valid_seen)
 
 
-def _parse_mask_eager(attention_mask: torch.Tensor, max_documents: int) -> _ParsedMask:
+def _parse_mask_eager(document_ids: torch.Tensor, max_documents: int) -> _ParsedMask:
     """:func:`_parse_mask` in fewer, larger aten calls, for the eager kernels (NOTE [Eager kernels]).
 
     Where the mask rules hold (no negative id, ids never decrease along the
@@ -116,7 +137,7 @@ def _parse_mask_eager(attention_mask: torch.Tensor, max_documents: int) -> _Pars
     maximum is exactly a decrease. On broken masks the flags may differ from
     :func:`_parse_mask`'s past the first broken rule, which is the same.
     """
-    ids = attention_mask.view(torch.uint8) if attention_mask.dtype == torch.bool else attention_mask
+    ids = document_ids.view(torch.uint8) if document_ids.dtype == torch.bool else document_ids
     valid = ids != 0
     running = ids.cummax(1).values
     starts = valid.clone()
@@ -133,7 +154,7 @@ def _parse_mask_eager(attention_mask: torch.Tensor, max_documents: int) -> _Pars
 _SEARCH_MAX_DOCUMENTS = 256
 
 
-def few_slots(max_documents: int) -> bool:
+def binary_search_slots(max_documents: int) -> bool:
     """Whether :func:`_compact` should binary-search for ``max_documents`` slots per row.
 
     A function of the static argument alone, never of a symbolic size: a
@@ -196,7 +217,7 @@ def _compact(flags: torch.Tensor, values: torch.Tensor, slots: int, *, search: b
     """Along the last axis, move ``values`` at the flagged positions, in order, to the first ``slots`` entries.
 
     Entries past the number of flags hold garbage; callers mask them. With
-    ``search`` (few slots, see :func:`few_slots`) each slot binary-searches
+    ``search`` (few slots, see :func:`binary_search_slots`) each slot binary-searches
     the running count of flags; otherwise the k-th flagged position goes to
     slot k and every other position to a spare slot of its own, so a scatter
     writes each slot at most once (deterministic, no atomics, O(sequence)).
@@ -216,11 +237,11 @@ def _compact(flags: torch.Tensor, values: torch.Tensor, slots: int, *, search: b
     return buffer.scatter_(-1, target, values)[..., :slots]
 
 
-def _varlen_metadata_fake(attention_mask: torch.Tensor, max_documents: int):
+def _varlen_metadata_fake(document_ids: torch.Tensor, max_documents: int):
     """``indices [B*S]``, ``cu_seqlens [B*D+1]``, ``seqlens [B*D]``, three 0-d tensors, rule flags ``[3]``."""
-    batch, sequence = attention_mask.shape
+    batch, sequence = document_ids.shape
     capacity = batch * max_documents
-    new = attention_mask.new_empty
+    new = document_ids.new_empty
     return (
         new(batch * sequence, dtype=torch.int64),
         new(capacity + 1, dtype=torch.int32),
@@ -250,30 +271,30 @@ def _varlen_from(parsed: _ParsedMask, batch: int, max_documents: int):
     num_documents = starts.sum()
     slots = torch.arange(batch * max_documents + 1, device=valid.device)
     # A start is valid, so the valid tokens before it are its running count minus one.
-    firsts = _compact(starts, parsed.valid_seen - 1, slots.numel(), search=few_slots(max_documents))
+    firsts = _compact(starts, parsed.valid_seen - 1, slots.numel(), search=binary_search_slots(max_documents))
     cu_seqlens = torch.where(slots < num_documents, firsts, num_tokens).to(torch.int32)
     seqlens = cu_seqlens[1:] - cu_seqlens[:-1]
     return parsed.indices, cu_seqlens, seqlens, seqlens.max(), num_tokens.clone(), num_documents, parsed.broken
 
 
 def _varlen_metadata_eager(
-    attention_mask: torch.Tensor, max_documents: int
+    document_ids: torch.Tensor, max_documents: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    parsed = _parse_mask_eager(attention_mask, max_documents)
-    return _varlen_from(parsed, attention_mask.shape[0], max_documents)
+    parsed = _parse_mask_eager(document_ids, max_documents)
+    return _varlen_from(parsed, document_ids.shape[0], max_documents)
 
 
 @packfn_op("varlen_metadata", fake=_varlen_metadata_fake, outputs=VarlenOutputs, eager=_varlen_metadata_eager)
-def varlen_metadata(
-    attention_mask: torch.Tensor, max_documents: int
+def varlen_metadata_op(
+    document_ids: torch.Tensor, max_documents: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _varlen_from(_parse_mask(attention_mask, max_documents), attention_mask.shape[0], max_documents)
+    return _varlen_from(_parse_mask(document_ids, max_documents), document_ids.shape[0], max_documents)
 
 
-def _batch_metadata_fake(attention_mask: torch.Tensor, max_documents: int):
+def _batch_metadata_fake(document_ids: torch.Tensor, max_documents: int):
     """``packed_token_indices [B, S]``, ``cu_seqlens [B, D+1]``, ``row_max_seqlen``, ``num_documents [B]``, flags."""
-    batch, sequence = attention_mask.shape
-    new = attention_mask.new_empty
+    batch, sequence = document_ids.shape
+    new = document_ids.new_empty
     return (
         new(batch, sequence, dtype=torch.int64),
         new(batch, max_documents + 1, dtype=torch.int32),
@@ -303,7 +324,7 @@ def _batch_from(parsed: _ParsedMask, max_documents: int):
     valid_seen = flat_seen - (flat_seen[:, :1] - valid[:, :1].long())
     num_documents = starts.sum(1, keepdim=True)
     slots = torch.arange(max_documents + 1, device=valid.device)
-    firsts = _compact(starts, valid_seen - 1, slots.numel(), search=few_slots(max_documents))
+    firsts = _compact(starts, valid_seen - 1, slots.numel(), search=binary_search_slots(max_documents))
     last = torch.where(slots == num_documents, valid_seen[:, -1:], -1)
     boundaries = torch.where(slots < num_documents, firsts, last)
     cu_seqlens = boundaries.to(torch.int32)
@@ -314,16 +335,16 @@ def _batch_from(parsed: _ParsedMask, max_documents: int):
 
 
 def _batch_metadata_eager(
-    attention_mask: torch.Tensor, max_documents: int
+    document_ids: torch.Tensor, max_documents: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _batch_from(_parse_mask_eager(attention_mask, max_documents), max_documents)
+    return _batch_from(_parse_mask_eager(document_ids, max_documents), max_documents)
 
 
 @packfn_op("batch_metadata", fake=_batch_metadata_fake, outputs=BatchOutputs, eager=_batch_metadata_eager)
-def batch_metadata(
-    attention_mask: torch.Tensor, max_documents: int
+def batch_metadata_op(
+    document_ids: torch.Tensor, max_documents: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _batch_from(_parse_mask(attention_mask, max_documents), max_documents)
+    return _batch_from(_parse_mask(document_ids, max_documents), max_documents)
 
 
 # Upstream's one message for every broken rule of batch-major metadata.
@@ -405,7 +426,7 @@ class FlattenOutputs(NamedTuple):
 
 
 @packfn_op("flatten_metadata", fake=_flatten_metadata_fake, outputs=FlattenOutputs)
-def flatten_metadata(
+def flatten_metadata_op(
     packed_token_indices: torch.Tensor, cu_seqlens: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     batch, sequence = packed_token_indices.shape

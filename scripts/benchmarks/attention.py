@@ -5,8 +5,10 @@ from __future__ import annotations
 import torch
 from torch.nn.attention.flex_attention import create_block_mask
 
-from packfn import attention as pa
-from scripts.benchmarks.common import FLOOR, Case, Inputs, floor_variant
+import packfn
+import packfn.nemo_automodel as nemo
+
+from benchmarks.common import FLOOR, Case, Inputs, floor_variant
 
 try:
     from nemo_automodel.components.datasets import packed_seq as upstream
@@ -32,8 +34,8 @@ def _block_causal(inputs: Inputs) -> list[Case]:
     variants = {}
     if _indexed_mask_to_4d_block_causal is not None:
         variants["upstream"] = lambda: _indexed_mask_to_4d_block_causal(mask)
-    variants["packfn eager"] = lambda: pa.block_causal_mask(mask)
-    variants["packfn compiled"] = _compiled(pa.block_causal_mask, mask)
+    variants["packfn eager"] = lambda: packfn.block_causal_mask(mask)
+    variants["packfn compiled"] = _compiled(packfn.block_causal_mask, mask)
     baseline = "upstream" if "upstream" in variants else "packfn eager"
     return [Case("attention", "block_causal_mask", inputs.sequence, variants, baseline)]
 
@@ -42,12 +44,12 @@ def _flash_varlen(inputs: Inputs, notes: dict[str, str]) -> list[Case]:
     mask = inputs.document_ids
 
     def static(mask):
-        return pa.physical_varlen_metadata(mask)
+        return packfn.physical_varlen_metadata(mask)
 
     variants = {}
     if upstream is not None:
         variants["upstream"] = lambda: upstream.to_flash_attention_kwargs(upstream.packed_seq_params_from_doc_ids(mask))
-    variants["packfn drop-in eager"] = lambda: pa.to_flash_attention_kwargs(pa.packed_seq_params_from_doc_ids(mask))
+    variants["packfn drop-in eager"] = lambda: nemo.to_flash_attention_kwargs(nemo.packed_seq_params_from_doc_ids(mask))
     variants["packfn static eager"] = lambda: static(mask)
     variants["packfn static compiled"] = _compiled(static, mask)
     variants.update(floor_variant(mask))
@@ -60,11 +62,9 @@ def _block_mask(inputs: Inputs) -> list[Case]:
     batch, sequence = mask.shape
 
     def reference(mask):
-        return create_block_mask(pa.document_mask_mod(mask), batch, 1, sequence, sequence, device=mask.device)
+        return create_block_mask(packfn.document_mask_mod(mask), batch, 1, sequence, sequence, device=mask.device)
 
-    notes = {
-        "baseline": "create_block_mask with packfn.attention.document_mask_mod (the documented FlexAttention path)"
-    }
+    notes = {"baseline": "create_block_mask with packfn.document_mask_mod (the documented FlexAttention path)"}
     variants = {}
     if sequence <= DENSE_LIMIT:
         variants["create_block_mask"] = lambda: reference(mask)
@@ -74,8 +74,8 @@ def _block_mask(inputs: Inputs) -> list[Case]:
             "[batch, 1, sequence, sequence] masks and int64 index tensors (tens of GiB at 32768)"
         )
     variants["create_block_mask compiled"] = _compiled(reference, mask)
-    variants["packfn eager"] = lambda: pa.document_block_mask(mask)
-    variants["packfn compiled"] = _compiled(pa.document_block_mask, mask)
+    variants["packfn eager"] = lambda: packfn.document_block_mask(mask)
+    variants["packfn compiled"] = _compiled(packfn.document_block_mask, mask)
     baseline = "create_block_mask" if "create_block_mask" in variants else "create_block_mask compiled"
     return [Case("attention", "document_block_mask", sequence, variants, baseline, notes)]
 

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from packfn.layout import PackedSequenceLayout, aligned_layout, aligned_length, packed_layout
-from scripts.benchmarks.common import Case, Inputs
+from packfn import PackedSequenceLayout, aligned_layout, safe_budget
+from packfn.nemo_automodel import packed_layout
+
+from benchmarks.common import Case, Inputs
 
 try:
     from nemo_automodel.components.models.deepseek_v41 import packing as upstream
@@ -32,11 +34,11 @@ def _restore(layout: PackedSequenceLayout, values: torch.Tensor) -> torch.Tensor
 def cases(inputs: Inputs) -> list[Case]:
     seq_lens, documents = inputs.seq_lens, inputs.max_documents
     batch, sequence = inputs.batch, inputs.sequence
-    length = aligned_length(sequence, documents, ALIGNMENT)
+    budget = safe_budget(sequence, documents, ALIGNMENT)
     dropin = {"input_shape": (batch, sequence), "seq_lens_padded": None, "alignment": ALIGNMENT}
 
     def static_layout(seq_lens):
-        return aligned_layout(seq_lens, sequence_length=sequence, alignment=ALIGNMENT, length=length)
+        return aligned_layout(seq_lens, sequence_length=sequence, alignment=ALIGNMENT, budget=budget)
 
     layout = packed_layout(seq_lens, **dropin)
     values = inputs.values
@@ -56,7 +58,7 @@ def cases(inputs: Inputs) -> list[Case]:
             sequence,
             variants,
             baseline="upstream" if upstream else "packfn drop-in eager",
-            notes={**notes, "static_length": str(length)},
+            notes={**notes, "static_length": str(budget)},
         )
     ]
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 import torch
 
 import packfn
-from scripts.benchmarks.common import FLOOR, Case, Inputs, floor_variant
+import packfn.nemo_automodel
+
+from benchmarks.common import FLOOR, Case, Inputs, floor_variant
 
 try:
     from nemo_automodel.components.datasets import packing as upstream
@@ -36,7 +38,7 @@ def cases(inputs: Inputs) -> list[Case]:
     def static_batch_default(mask):
         return packfn.batch_metadata(mask)
 
-    metadata = packfn.build_packed_sequence_metadata(mask)
+    metadata = packfn.nemo_automodel.build_packed_sequence_metadata(mask)
     indices, bounds = metadata["packed_token_indices"], metadata["cu_seqlens"]
     narrow_bounds = packfn.batch_metadata(mask, max_documents=capacity).cu_seqlens
 
@@ -48,7 +50,7 @@ def cases(inputs: Inputs) -> list[Case]:
         (
             "get_unpad_data",
             upstream and (lambda: upstream.get_unpad_data(mask)),
-            lambda: packfn.get_unpad_data(mask),
+            lambda: packfn.nemo_automodel.get_unpad_data(mask),
             lambda: static_flat(mask),
             _compiled(static_flat, mask),
             _compiled(static_flat_default, mask),
@@ -56,7 +58,7 @@ def cases(inputs: Inputs) -> list[Case]:
         (
             "build_packed_sequence_metadata",
             upstream and (lambda: upstream.build_packed_sequence_metadata(mask)),
-            lambda: packfn.build_packed_sequence_metadata(mask),
+            lambda: packfn.nemo_automodel.build_packed_sequence_metadata(mask),
             lambda: static_batch(mask),
             _compiled(static_batch, mask),
             _compiled(static_batch_default, mask),
@@ -64,7 +66,7 @@ def cases(inputs: Inputs) -> list[Case]:
         (
             "get_seqlens_in_batch",
             upstream and (lambda: upstream.get_seqlens_in_batch(mask)),
-            lambda: packfn.get_seqlens_in_batch(mask),
+            lambda: packfn.nemo_automodel.get_seqlens_in_batch(mask),
             lambda: static_flat(mask),
             _compiled(static_flat, mask),
             None,
@@ -72,7 +74,7 @@ def cases(inputs: Inputs) -> list[Case]:
         (
             "flatten_packed_sequence_metadata",
             upstream_models and (lambda: upstream_models.flatten_packed_sequence_metadata(indices, bounds, **shape)),
-            lambda: packfn.flatten_packed_sequence_metadata(indices, bounds, **shape),
+            lambda: packfn.nemo_automodel.flatten_packed_sequence_metadata(indices, bounds, **shape),
             lambda: static_flatten(indices, narrow_bounds),
             _compiled(static_flatten, indices, narrow_bounds),
             None,

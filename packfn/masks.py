@@ -1,0 +1,181 @@
+"""Attention masks of a packed batch: the dense block-causal mask and FlexAttention's.
+
+The packing format is described once, in :mod:`packfn._ops.metadata`; the
+mask is ``document_ids``. A query attends the keys of its row that are not
+after it and carry its id; padding attends nothing and nothing attends it.
+For the example mask ``[[1, 1, 2, 2, 2, 0], [1, 1, 1, 1, 0, 0]]``, query 3
+(document 2) attends keys 2 and 3.
+
+- ``"block_causal"`` (:data:`packfn.PackedMaskType`): :func:`block_causal_mask`,
+  bool ``[batch, 1, sequence, sequence]``.
+- FlexAttention: :func:`document_mask_mod` and :func:`document_block_mask`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch.nn.attention.flex_attention import BlockMask
+
+from packfn._checks import check_mask, check_positive_int
+from packfn._ops import masks as _ops
+from packfn._ops._registry import assert_rules
+from packfn._ops.metadata import mask_rules
+
+__all__ = ["block_causal_mask", "check_window", "checked_block_mask", "document_block_mask", "document_mask_mod"]
+
+
+def block_causal_mask(document_ids: torch.Tensor) -> torch.Tensor:
+    """Build the block-causal mask of a packed batch, with no host sync.
+
+    Args:
+        document_ids: ``[batch, sequence]`` integer or bool document ids.
+
+    Returns:
+        Bool ``[batch, 1, sequence, sequence]``: True where query ``i`` may
+        attend key ``j``: same id, ``j <= i``, both valid. The eager / SDPA
+        mask of ``neat_packed_collater``.
+
+    Raises:
+        ValueError: the mask is not a non-empty ``[batch, sequence]`` integer
+            or bool tensor.
+        RuntimeError: (a sync-free assert, asynchronous on a GPU) negative or
+            decreasing ids.
+    """
+    check_mask(document_ids)
+    mask, broken = _ops.block_causal_mask_op(document_ids, True)
+    assert_rules(broken, mask_rules(document_ids.shape[1]))
+    return mask
+
+
+def check_window(window: object, name: str = "window") -> int | None:
+    """Return ``window`` if it is None or a positive int, else raise."""
+    return None if window is None else check_positive_int(window, name)
+
+
+def _check_positions(positions: object, document_ids: torch.Tensor) -> None:
+    if positions is None:
+        return
+    if not isinstance(positions, torch.Tensor) or positions.dtype.is_floating_point or positions.dtype == torch.bool:
+        raise TypeError("positions must be an integer tensor, such as packed_position_ids(document_ids)")
+    if positions.shape != document_ids.shape:
+        raise ValueError(
+            f"positions must have the shape of document_ids {tuple(document_ids.shape)}, got {tuple(positions.shape)}"
+        )
+
+
+def document_mask_mod(
+    document_ids: torch.Tensor, *, window: int | None = None, positions: torch.Tensor | None = None
+) -> Callable[..., torch.Tensor]:
+    """Return the document-causal FlexAttention ``mask_mod`` of a packed batch.
+
+    Args:
+        document_ids: ``[batch, sequence]`` integer or bool document ids
+            (captured by the returned function, not copied).
+        window: Sliding window, or None: query ``q`` then also needs
+            ``q - kv < window`` (it sees at most ``window`` tokens, itself
+            included, as HF's ``sliding_window``).
+        positions: Measure the window in these ``[batch, sequence]``
+            positions instead of columns (:func:`packed_position_ids`: padding
+            inside a document then does not shrink the window).
+
+    Returns:
+        ``mask_mod(b, h, q_idx, kv_idx) -> bool``: same id, valid, ``kv_idx <= q_idx``.
+
+    Raises:
+        ValueError / TypeError: a malformed mask, a non-positive window or
+            positions not an integer tensor shaped like the mask.
+    """
+    check_mask(document_ids)
+    window = check_window(window)
+    _check_positions(positions, document_ids)
+    return _mask_mod(document_ids, window, positions)
+
+
+def _mask_mod(
+    document_ids: torch.Tensor, window: int | None, positions: torch.Tensor | None
+) -> Callable[..., torch.Tensor]:
+    """:func:`document_mask_mod` of checked arguments."""
+
+    def mask_mod(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
+        query = document_ids[b, q_idx]
+        keep = (query == document_ids[b, kv_idx]) & (query != 0) & (q_idx >= kv_idx)
+        if window is not None:
+            distance = q_idx - kv_idx if positions is None else positions[b, q_idx] - positions[b, kv_idx]
+            keep = keep & (distance < window)
+        return keep
+
+    return mask_mod
+
+
+def document_block_mask(
+    document_ids: torch.Tensor,
+    *,
+    block_size: int = 128,
+    window: int | None = None,
+    separate_full_blocks: bool = True,
+    positions: torch.Tensor | None = None,
+) -> BlockMask:
+    """Build the FlexAttention ``BlockMask`` of a packed batch from its document spans.
+
+    Equal, tensor for tensor, to ``create_block_mask(document_mask_mod(...),
+    batch, 1, sequence, sequence, BLOCK_SIZE=block_size)``, but computed from
+    per-block first / last ids and positions (``O(batch * blocks**2)``)
+    instead of evaluating the mask over ``sequence**2`` pairs. Static shapes,
+    no host sync, no graph break: build it inside the compiled forward.
+    A sequence that is not a multiple of ``block_size`` is handled as
+    ``create_block_mask`` does (the last block is partial).
+
+    Args:
+        document_ids: ``[batch, sequence]`` integer or bool document ids.
+        block_size: Query and key block size.
+        window: Sliding window, as :func:`document_mask_mod`.
+        separate_full_blocks: As ``create_block_mask``: store fully unmasked
+            blocks apart so kernels skip ``mask_mod`` on them.
+        positions: Measure the window in these positions, as :func:`document_mask_mod`.
+
+    Returns:
+        A ``BlockMask`` with one head (broadcast over heads), ``kv_num_blocks``
+        int32 ``[batch, 1, blocks]`` and ``kv_indices`` int32
+        ``[batch, 1, blocks, blocks]`` (present blocks ascending, then the
+        others), the same for full blocks, and ``mask_mod`` from
+        :func:`document_mask_mod`.
+
+    Raises:
+        ValueError / TypeError: as :func:`block_causal_mask`, or a
+            non-positive ``block_size`` / ``window``.
+        RuntimeError: as :func:`block_causal_mask`.
+    """
+    check_mask(document_ids)
+    block_size = check_positive_int(block_size, "block_size")
+    window = check_window(window)
+    if not isinstance(separate_full_blocks, bool):
+        raise TypeError(f"separate_full_blocks must be a bool, got {type(separate_full_blocks).__name__}")
+    _check_positions(positions, document_ids)
+    return checked_block_mask(document_ids, block_size, window, separate_full_blocks, positions, check=True)
+
+
+def checked_block_mask(
+    document_ids: torch.Tensor,
+    block_size: int,
+    window: int | None,
+    separate_full_blocks: bool,
+    positions: torch.Tensor | None,
+    *,
+    check: bool,
+) -> BlockMask:
+    """:func:`document_block_mask` of checked arguments; the mask's rules only with ``check`` (NOTE [Check once])."""
+    blocks = _ops.document_kv_blocks_op(document_ids, block_size, window, separate_full_blocks, positions, check)
+    if check:
+        assert_rules(blocks.broken, mask_rules(document_ids.shape[1]))
+    full = (blocks.full_kv_num_blocks, blocks.full_kv_indices) if separate_full_blocks else (None, None)
+    sequence = document_ids.shape[1]
+    return BlockMask.from_kv_blocks(
+        blocks.kv_num_blocks,
+        blocks.kv_indices,
+        *full,
+        BLOCK_SIZE=block_size,
+        mask_mod=_mask_mod(document_ids, window, positions),
+        seq_lengths=(sequence, sequence),
+    )
