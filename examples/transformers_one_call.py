@@ -54,7 +54,9 @@ def main(argv: list[str] | None = None) -> int:
 
     lengths = torch.randint(2, arguments.sequence // 2, (1_000,)).tolist()
     documents = [torch.randint(1, config.vocab_size, (n,)) for n in lengths]
-    stream = packfn.pack_stream(lengths, batch=arguments.batch, sequence=arguments.sequence, alignment=1, max_documents=8)
+    stream = packfn.pack_stream(
+        lengths, batch=arguments.batch, sequence=arguments.sequence, alignment=1, max_documents=8
+    )
     with torch._dynamo.config.patch(error_on_recompile=True):
         for step, packed in zip(range(arguments.steps), stream, strict=False):
             tokens = packed.gather(documents)

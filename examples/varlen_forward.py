@@ -72,7 +72,9 @@ def main(argv: list[str] | None = None) -> int:
                     alone = model(x[row : row + 1, columns], torch.ones(1, piece.length, dtype=torch.int64))
                     torch.testing.assert_close(out[row : row + 1, columns], alone, rtol=1e-4, atol=1e-5)
             assert out[packed.document_ids == 0].eq(0).all()
-            print(f"{sum(map(len, packed.rows))} documents, fill {packed.fill_ratio:.3f}: packed == each document alone")
+            print(
+                f"{sum(map(len, packed.rows))} documents, fill {packed.fill_ratio:.3f}: packed == each document alone"
+            )
     return 0
 
 
