@@ -274,7 +274,10 @@ def _varlen_from(parsed: _ParsedMask, batch: int, max_documents: int):
     firsts = _compact(starts, parsed.valid_seen - 1, slots.numel(), search=binary_search_slots(max_documents))
     cu_seqlens = torch.where(slots < num_documents, firsts, num_tokens).to(torch.int32)
     seqlens = cu_seqlens[1:] - cu_seqlens[:-1]
-    return parsed.indices, cu_seqlens, seqlens, seqlens.max(), num_tokens.clone(), num_documents, parsed.broken
+    # The count as a reduction of its own, not the scan's last entry: Inductor
+    # drops a clone of that entry and would return a 0-d view that keeps the
+    # whole [batch * sequence] scan alive (tests/core/test_storage.py).
+    return parsed.indices, cu_seqlens, seqlens, seqlens.max(), valid.sum(), num_documents, parsed.broken
 
 
 def _varlen_metadata_eager(
@@ -399,7 +402,8 @@ def flat_boundaries(cu_seqlens: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     total = tokens_through[-1]
     flat = torch.where(inside, boundary, total)
     flat_cu_seqlens = torch.cat([flat.new_zeros(1), flat]).to(cu_seqlens.dtype)
-    return flat_cu_seqlens, total.clone(), documents_through[-1].clone()
+    # Counts as reductions of their own, not views of the scans (see _varlen_from).
+    return flat_cu_seqlens, row_tokens.sum(), row_documents.sum()
 
 
 def _flatten_metadata_fake(packed_token_indices: torch.Tensor, cu_seqlens: torch.Tensor):

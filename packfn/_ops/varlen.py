@@ -75,8 +75,16 @@ def segment_starts(document_ids: torch.Tensor) -> torch.Tensor:
     every row start (a document that fills its row must not merge with the
     next row's first one once flattened) and wherever the id changes, so
     padding runs are segments of their own.
+
+    Each id is compared with its left neighbour shifted into place (two
+    ``[batch, sequence]`` operands): comparing the slices ``[:, 1:]`` and
+    ``[:, :-1]`` would broadcast two ``sequence - 1`` sizes, which guards
+    ``sequence != 2`` and so breaks ``torch.export`` with a ``Dim`` whose
+    range holds 2 and recompiles a dynamic compile there.
     """
-    return F.pad(document_ids[:, 1:] != document_ids[:, :-1], (1, 0), value=True)
+    previous = F.pad(document_ids[:, :-1], (1, 0))
+    first = torch.arange(document_ids.shape[1], device=document_ids.device) == 0
+    return (document_ids != previous) | first
 
 
 class PhysicalVarlenOutputs(NamedTuple):
@@ -119,15 +127,17 @@ def physical_varlen_metadata_op(
     # Boundary k is the position of the (k+1)-th start, the total once k
     # passes the last segment (empty trailing segments): the k-th start is
     # scattered to slot k of a buffer filled with the total, in the output's
-    # dtype, so no pass fills the tail; every other position goes to a spare
-    # slot of its own past the cut, as in _compact. (Spare slots shared by
-    # blocks of positions, a floor division in the index, made Inductor's
-    # code skip the scatter's last partial block for rows of one token under
-    # dynamic shapes; tests/test_regressions.py holds that case.)
-    slots = total + 1
-    target = torch.where(starts, starts.cumsum(0) - 1, slots + positions)
-    buffer = torch.full((slots + total,), total, dtype=torch.int32, device=starts.device)
-    cu_seqlens = buffer.scatter_(0, target, positions.to(torch.int32))[:slots]
+    # dtype, so no pass fills the tail. Every other position writes the total
+    # into the last slot, which holds the total anyway: duplicate indices of
+    # one value, so the result does not depend on their order, and the buffer
+    # is exactly the output (no spare slots for it to keep alive). (Spare
+    # slots chosen by a floor division of the position made Inductor's code
+    # skip the scatter's last partial block for rows of one token under
+    # dynamic shapes; tests/core/test_varlen.py holds that case.)
+    target = torch.where(starts, starts.cumsum(0) - 1, total)
+    values = torch.where(starts, positions, total).to(torch.int32)
+    buffer = torch.full((total + 1,), total, dtype=torch.int32, device=starts.device)
+    cu_seqlens = buffer.scatter_(0, target, values)
     max_seqlen = (cu_seqlens[1:] - cu_seqlens[:-1]).max()
     return cu_seqlens, max_seqlen, starts.sum()
 
@@ -213,4 +223,5 @@ def pad_op(
     # holds (uninitialized rows of a varlen kernel, NaN) never reaches them.
     source = torch.where(keep, inverse, 0)
     padded = torch.where(_row_mask(keep, values), values.index_select(0, source), values.new_zeros(()))
-    return padded.reshape(-1, sequence, *values.shape[1:]), broken
+    # The batch spelled out (not -1): values with a 0-sized trailing axis have no elements to infer it from.
+    return padded.reshape(values.shape[0] // sequence, sequence, *values.shape[1:]), broken

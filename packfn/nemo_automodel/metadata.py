@@ -262,6 +262,15 @@ def get_unpad_data(attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     return parsed.indices[:tokens], parsed.cu_seqlens[: documents + 1], longest
 
 
+# Upstream sizes cu_seqlens [batch, largest id + 1]; past this no tensor can
+# hold it (the compiled path's unbacked sizes stop at 2**62 too).
+_ID_LIMIT = 2**62 - 1
+_HUGE_ID = Rule(
+    f"a document id above {_ID_LIMIT} cannot size build_packed_sequence_metadata's cu_seqlens "
+    "[batch, largest id + 1]; renumber the documents of each row from 1"
+)
+
+
 def build_packed_sequence_metadata(attention_mask: torch.Tensor) -> PackedSequenceMetadata:
     """Return batch-major metadata that survives microbatch splits (drop-in).
 
@@ -277,7 +286,8 @@ def build_packed_sequence_metadata(attention_mask: torch.Tensor) -> PackedSequen
 
     Raises:
         ValueError: as :func:`get_unpad_data` (the dtype rule applies per
-            row, as upstream counts each row apart).
+            row, as upstream counts each row apart), and an id above
+            ``2**62 - 1`` (upstream would size a row past any tensor).
     """
     _check_dropin_mask(attention_mask)
     batch, sequence = attention_mask.shape
@@ -292,8 +302,13 @@ def build_packed_sequence_metadata(attention_mask: torch.Tensor) -> PackedSequen
         overflow = ((parsed.row_max_seqlen > limit) & (attention_mask.amax(1) > 1)).any()
     num_tokens = (parsed.packed_token_indices >= 0).sum()
     flags, rules = _dropin_rules(attention_mask, parsed.broken, num_tokens=num_tokens, overflow=overflow)
-    id_bound = 1 if attention_mask.dtype == torch.bool else int(torch.iinfo(attention_mask.dtype).max)
+    id_bound = 1 if attention_mask.dtype == torch.bool else min(int(torch.iinfo(attention_mask.dtype).max), _ID_LIMIT)
     largest_id = attention_mask.max().to(torch.int64).clamp_min(1)
+    # An id past the limit would size a row no tensor holds: flagged, and read
+    # as 1 so that the compiled path allocates nothing before its assert fires.
+    too_large = largest_id > _ID_LIMIT
+    flags, rules = torch.cat([flags, too_large.reshape(1)]), (*rules, _HUGE_ID)
+    largest_id = torch.where(too_large, 1, largest_id)
     width, longest = checked_ints([largest_id, parsed.row_max_seqlen.max()], [id_bound, sequence], flags, rules)
     # Upstream sizes the rows by the largest id, which gaps in ids can push
     # past the static capacity: pad with -1, then cut to the upstream width.
