@@ -156,7 +156,9 @@ def hf_model_inputs(
         document_ids: ``[batch, sequence]`` integer or bool document ids.
         config: The model's config (``model.config``).
         input_ids, labels: Optional ``[batch, sequence]`` integer tensors
-            (``labels`` int32 or int64, unshifted, as transformers takes them).
+            (``labels`` int32 or int64, unshifted, as transformers takes them;
+            the ``labels`` and ``shift_labels`` returned are int64, the
+            dtype transformers' cross-entropy loss requires).
         attn_implementation: Overrides ``config._attn_implementation``.
         block_size: FlexAttention block size (16 or more on the CPU: compiled
             CPU flex attention is wrong under 16 in torch 2.13).
@@ -202,6 +204,7 @@ def hf_model_inputs(
     positions = inputs["position_ids"] = parsed.position_ids
     if labels is not None:
         # Valid tokens at position 0 start a document; padding takes no loss.
+        labels = labels.long()  # transformers' loss takes int64 targets only
         inputs["labels"] = labels.masked_fill((positions == 0) | (document_ids == 0), -100)
     if implementation in FLASH_ATTENTION_IMPLEMENTATIONS:
         cu_seqlens = _varlen_ops.physical_varlen_metadata_op(document_ids).cu_seqlens

@@ -267,19 +267,22 @@ def _inverse(source_indices: torch.Tensor, sequence_length: int) -> torch.Tensor
 
     Each aligned column holding a real token writes its column to that
     token's input column (NOTE [Why pack and restore are each other's
-    backward]); every other aligned column writes to one spare slot past
-    the rows, so no index leaves the buffer however broken the tables. Few
-    large temporaries: on the CPU, fresh pages cost more than the passes.
+    backward]); every other aligned column writes -1 to the buffer's first
+    entry, by a maximum, so it changes nothing there and no index leaves
+    the buffer however broken the tables (and where they are broken, the
+    result still does not depend on the order of the writes). The buffer is
+    exactly the output. Few large temporaries: on the CPU, fresh pages cost
+    more than the passes.
     """
     batch, length = source_indices.shape
     device = source_indices.device
-    spare = batch * sequence_length
     real = (source_indices >= 0) & (source_indices < sequence_length)
-    target = source_indices + torch.arange(batch, device=device).unsqueeze(1) * sequence_length
-    target.masked_fill_(~real, spare)
-    inverse = source_indices.new_full((spare + 1,), -1)
-    inverse[target] = torch.arange(length, device=device)
-    return inverse[:spare].view(batch, sequence_length)
+    rows = torch.arange(batch, device=device).unsqueeze(1) * sequence_length
+    target = (source_indices + rows).masked_fill_(~real, 0)
+    columns = torch.arange(length, device=device).expand(batch, length).masked_fill(~real, -1)
+    inverse = source_indices.new_full((batch * sequence_length,), -1)
+    inverse.scatter_reduce_(0, target.reshape(-1), columns.reshape(-1), reduce="amax")
+    return inverse.view(batch, sequence_length)
 
 
 def _aligned_layout_eager(
