@@ -22,6 +22,7 @@ does not matter (``tests/test_hf.py`` pins both facts).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -42,30 +43,102 @@ __all__ = ["hf_model_inputs"]
 _IMPLEMENTATIONS = ("eager", "sdpa", "flex_attention", *FLASH_ATTENTION_IMPLEMENTATIONS)
 
 
-def _windows(config: Any, window: Any) -> dict[str, int | None] | int | None:
-    """The sliding window of each layer type (a dict), or the one window of every layer.
+# Models whose use_bidirectional_attention=True makes every layer attend both
+# ways, with sliding windows |dp| < w (Gemma3 text, EmbeddingGemma). On Gemma
+# and Gemma2 the flag flips only the attention modules, not the masks, so a
+# document run alone is causal on one backend and bidirectional on another.
+_BIDIRECTIONAL_MODELS = ("gemma3_text", "step3p7")
 
-    Models whose config lists ``layer_types`` (Qwen2, Gemma, ...) take one
-    mask per type; the others (Llama, Mistral) take one mask, which for
-    Mistral carries the config's ``sliding_window``.
+
+@dataclass(frozen=True)
+class _Attention:
+    """What every layer of a model sees, read off its config.
+
+    Attributes:
+        causal: Keys after the query are hidden.
+        inclusive: Bidirectional windows keep ``|dp| <= W`` (``is_causal=False``
+            configs, transformers' ``create_bidirectional_sliding_window_mask``)
+            rather than ``|dp| < W`` (Gemma3's bidirectional overlay).
+        layers: ``(kind, size)`` per layer type (``None``: every layer, for a
+            config without ``layer_types``); kind ``"full"``, ``"window"``
+            (``size`` positions) or ``"chunk"`` (chunks of ``size`` positions).
     """
+
+    causal: bool
+    inclusive: bool
+    layers: dict[str | None, tuple[str, int | None]]
+
+
+def _attention(config: Any, window: Any, causal: bool | None) -> _Attention:
+    """Read the config's attention flags and layer types (see docs/transformers.md), refusing what a mask cannot say."""
+    if causal is not None and not isinstance(causal, bool):
+        raise TypeError(f"causal must be None or a bool, got {type(causal).__name__}")
+    text = config.get_text_config() if callable(getattr(config, "get_text_config", None)) else config
+    bidirectional = getattr(text, "use_bidirectional_attention", None)
+    model_type = getattr(text, "model_type", None)
+    if getattr(text, "is_causal", True) is False:  # Gemma4 "all", or any config given is_causal=False
+        inferred, inclusive = False, True
+    elif bidirectional is True and model_type in _BIDIRECTIONAL_MODELS:
+        inferred, inclusive = False, False
+    elif bidirectional is True:
+        raise ValueError(
+            f"use_bidirectional_attention=True on model type {model_type!r} flips only its attention modules, "
+            "not its masks, so a document alone attends one way on one backend and both ways on another; "
+            "hf_model_inputs cannot give a mask that matches it"
+        )
+    else:  # None, False, "vision" (the text attends causally)
+        inferred, inclusive = True, False
+    causal = inferred if causal is None else causal
     if isinstance(window, str) and window == "config":
-        window = getattr(config, "sliding_window", None)
-    layer_types = getattr(config, "layer_types", None)
+        window = getattr(text, "sliding_window", None)
+    layer_types = getattr(text, "layer_types", None)
     if layer_types is None:
-        return check_window(window, "sliding_window")
-    windows: dict[str, int | None] = {}
+        size = check_window(window, "sliding_window")
+        return _Attention(causal, inclusive, {None: ("full", None) if size is None else ("window", size)})
+    layers: dict[str | None, tuple[str, int | None]] = {}
     for layer_type in layer_types:
         if layer_type == "full_attention":
-            windows[layer_type] = None
+            layers[layer_type] = ("full", None)
         elif layer_type == "sliding_attention":
-            windows[layer_type] = check_positive_int(window, "sliding_window")
+            layers[layer_type] = ("window", check_positive_int(window, "sliding_window"))
+        elif layer_type == "chunked_attention" and causal:
+            chunk = getattr(text, "attention_chunk_size", None)
+            layers[layer_type] = ("chunk", check_positive_int(chunk, "attention_chunk_size"))
         else:
+            supported = "'full_attention', 'sliding_attention' and (causal) 'chunked_attention'"
             raise ValueError(
-                f"hf_model_inputs supports the layer types 'full_attention' and 'sliding_attention', "
-                f"got {layer_type!r} in config.layer_types"
+                f"hf_model_inputs supports the layer types {supported}, got {layer_type!r} in config.layer_types"
             )
-    return windows
+    return _Attention(causal, inclusive, layers)
+
+
+def _check_backend(attention: _Attention, implementation: str, text: Any, sequence: int, labels: object) -> None:
+    """Refuse the combinations of backend, flags and shape that no input of hf_model_inputs can serve."""
+    chunks = [size for kind, size in attention.layers.values() if kind == "chunk"]
+    if implementation == "flex_attention" and (not attention.causal or chunks):
+        raise ValueError(
+            "hf_model_inputs builds causal, unchunked FlexAttention block masks only: use sdpa or eager for "
+            "bidirectional attention (use_bidirectional_attention, is_causal=False) or chunked_attention layers"
+        )
+    flash = implementation in FLASH_ATTENTION_IMPLEMENTATIONS
+    if flash and chunks and isinstance(sequence, int) and sequence > min(chunks):
+        raise ValueError(
+            f"flash attention cannot restrict chunked_attention layers to chunks of {min(chunks)} positions "
+            f"(one set of cu_seq_lens serves every layer) and the rows hold {sequence}: use sdpa or eager"
+        )
+    floor = getattr(text, "floor_scale", None)
+    tuning = getattr(text, "attn_temperature_tuning", False)
+    if tuning and isinstance(floor, int) and isinstance(sequence, int) and sequence >= floor:
+        raise ValueError(
+            f"attn_temperature_tuning scales queries by their column in the row once it reaches floor_scale="
+            f"{floor}, not by their position in the document, so packed rows of {sequence} differ from each "
+            "document alone; set attn_temperature_tuning=False or pack rows shorter than floor_scale"
+        )
+    if labels is not None and not attention.causal:
+        raise ValueError(
+            "labels are shifted as a causal LM's next-token targets; with bidirectional attention build the "
+            "targets yourself (padding: -100) and pass none"
+        )
 
 
 def _check_labels(labels: object) -> None:
@@ -80,18 +153,35 @@ def _shift_labels(labels: torch.Tensor, next_token: torch.Tensor) -> torch.Tenso
 
 
 def _dense_mask(
-    block_causal: torch.Tensor, positions: torch.Tensor, window: int | None, implementation: str, dtype: torch.dtype
+    document_ids: torch.Tensor,
+    positions: torch.Tensor,
+    attention: _Attention,
+    layer: tuple[str, int | None],
+    implementation: str,
+    dtype: torch.dtype,
 ) -> torch.Tensor:
-    """The block-causal mask, cut to ``window`` positions; additive in ``dtype`` for the eager backend.
+    """The document mask of one layer kind, bool ``[batch, 1, sequence, sequence]``; additive in ``dtype`` for eager.
 
-    The window counts position ids, not columns, so padding inside a
-    document does not shrink it. Eager attention adds its mask to the scores
-    (a bool mask would add 0 and 1), so it gets ``0`` where a key is visible
-    and the dtype's minimum elsewhere, as transformers' own masks.
+    Windows and chunks count position ids, not columns, so padding inside a
+    document does not shrink them, and chunks start at each document's first
+    token. Eager attention adds its mask to the scores (a bool mask would add
+    0 and 1), so it gets ``0`` where a key is visible and the dtype's minimum
+    elsewhere, as transformers' own masks.
     """
-    mask = block_causal
-    if window is not None:
-        mask = mask & (positions.unsqueeze(2) - positions.unsqueeze(1) < window).unsqueeze(1)
+    if attention.causal:
+        mask = _mask_ops.block_causal_mask_op(document_ids, False).mask
+    else:
+        ids = document_ids.to(torch.int64)
+        mask = ((ids.unsqueeze(2) == ids.unsqueeze(1)) & (ids != 0).unsqueeze(2)).unsqueeze(1)
+    kind, size = layer
+    query, key = positions.unsqueeze(2), positions.unsqueeze(1)
+    if kind == "window":
+        distance = query - key if attention.causal else (query - key).abs()
+        mask = mask & ((distance <= size) if attention.inclusive else (distance < size)).unsqueeze(1)
+    elif kind == "chunk":
+        mask = mask & (
+            torch.div(query, size, rounding_mode="floor") == torch.div(key, size, rounding_mode="floor")
+        ).unsqueeze(1)
     if implementation == "eager":
         return torch.zeros((), dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)
     return mask
@@ -107,6 +197,7 @@ def hf_model_inputs(
     block_size: int = 128,
     dtype: torch.dtype | None = None,
     sliding_window: int | str | None = "config",
+    causal: bool | None = None,
 ) -> dict[str, Any]:
     """Return the keyword arguments of a transformers model for a packed batch.
 
@@ -150,7 +241,23 @@ def hf_model_inputs(
       in position ids (padding inside a document does not shrink it), and
       models with ``layer_types`` get a dict, one mask per layer type, as
       transformers' own mask mapping. Flash kernels apply the window
-      themselves.
+      themselves. ``chunked_attention`` layers (Llama 4) see their
+      document's chunk of ``config.attention_chunk_size`` positions.
+
+    Bidirectional configs get masks that attend both ways within each
+    document: Gemma3 text's ``use_bidirectional_attention=True`` (windows
+    ``|dp| < sliding_window``) and ``is_causal=False`` (Gemma4 ``"all"``, any
+    config; windows ``|dp| <= sliding_window``), as the model builds its own;
+    the flash arguments need no change (the kernel's ``causal`` comes from
+    the model). The composite configs' text config (``get_text_config()``)
+    is the one read. What no mask can match is refused with a
+    ``ValueError``: ``use_bidirectional_attention=True`` on Gemma and Gemma2
+    (their masks stay causal while their attention modules flip), flex
+    attention with bidirectional or chunked layers, flash attention with
+    chunked layers shorter than the row, Llama 4's
+    ``attn_temperature_tuning`` on rows of ``floor_scale`` columns or more,
+    ``labels`` of a bidirectional model, and layer types with recurrent
+    state or sparse selection.
 
     Args:
         document_ids: ``[batch, sequence]`` integer or bool document ids.
@@ -170,6 +277,9 @@ def hf_model_inputs(
             architecture that ignores a ``sliding_window`` its config
             carries (Llama does; Mistral, Mixtral, Phi3 and Starcoder2 apply
             it to every layer).
+        causal: Overrides what the config says: ``False`` for a model whose
+            attention is bidirectional without a config flag (a forward-time
+            ``is_causal=False``, an encoder), windows then ``|dp| <= W``.
 
     Returns:
         A dict of keyword arguments for ``model(**...)``.
@@ -177,7 +287,8 @@ def hf_model_inputs(
     Raises:
         ValueError: a malformed mask, pass-through tensors not shaped
             ``[batch, sequence]``, an attention implementation or layer type
-            not listed above, or none set.
+            not listed above, or none set, or a config no mask can match
+            (above).
         TypeError: a non-integer ``block_size`` or sliding window, labels
             not int32 / int64, input ids not integer, a non-floating ``dtype``.
         RuntimeError: (a sync-free assert) negative or decreasing ids.
@@ -190,7 +301,9 @@ def hf_model_inputs(
             f"got {implementation!r} (pass attn_implementation=, or build the model so its config has one)"
         )
     block_size = check_positive_int(block_size, "block_size")
-    windows = _windows(config, sliding_window)
+    attention = _attention(config, sliding_window, causal)
+    text = config.get_text_config() if callable(getattr(config, "get_text_config", None)) else config
+    _check_backend(attention, implementation, text, document_ids.shape[1], labels)
     if dtype is None:
         dtype = config.dtype if isinstance(getattr(config, "dtype", None), torch.dtype) else torch.get_default_dtype()
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
@@ -210,7 +323,9 @@ def hf_model_inputs(
         cu_seqlens = _varlen_ops.physical_varlen_metadata_op(document_ids).cu_seqlens
         inputs.update(flash_kwargs(cu_seqlens, document_ids.shape[1]))
     else:
-        inputs["attention_mask"] = _attention_masks(document_ids, positions, implementation, windows, block_size, dtype)
+        inputs["attention_mask"] = _attention_masks(
+            document_ids, positions, implementation, attention, block_size, dtype
+        )
     if labels is not None:
         inputs["shift_labels"] = _shift_labels(labels, parsed.next_token)
     return inputs
@@ -220,20 +335,18 @@ def _attention_masks(
     document_ids: torch.Tensor,
     positions: torch.Tensor,
     implementation: str,
-    windows: dict[str, int | None] | int | None,
+    attention: _Attention,
     block_size: int,
     dtype: torch.dtype,
 ) -> torch.Tensor | BlockMask | dict[str, torch.Tensor | BlockMask]:
     """The attention mask of a checked mask: one, or one per layer type (a dict) where the config lists them."""
-    flex = implementation == "flex_attention"
-    block_causal = None if flex else _mask_ops.block_causal_mask_op(document_ids, False).mask
 
-    def mask(window: int | None) -> torch.Tensor | BlockMask:
-        if flex:
-            return checked_block_mask(document_ids, block_size, window, True, positions, check=False)
-        return _dense_mask(block_causal, positions, window, implementation, dtype)
+    def mask(layer: tuple[str, int | None]) -> torch.Tensor | BlockMask:
+        if implementation == "flex_attention":  # causal, windows only (_check_backend)
+            return checked_block_mask(document_ids, block_size, layer[1], True, positions, check=False)
+        return _dense_mask(document_ids, positions, attention, layer, implementation, dtype)
 
-    if not isinstance(windows, dict):
-        return mask(windows)
-    masks = {window: mask(window) for window in dict.fromkeys(windows.values())}
-    return {layer_type: masks[window] for layer_type, window in windows.items()}
+    if None in attention.layers:
+        return mask(attention.layers[None])
+    masks = {layer: mask(layer) for layer in dict.fromkeys(attention.layers.values())}
+    return {layer_type: masks[layer] for layer_type, layer in attention.layers.items()}
