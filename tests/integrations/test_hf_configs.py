@@ -180,3 +180,11 @@ def test_chunks_longer_than_the_row_pass_on_flash():
 def test_causal_must_be_a_bool():
     with pytest.raises(TypeError, match="causal must be None or a bool"):
         hf_model_inputs(DOCUMENT_IDS, transformers.LlamaConfig(**SIZES), attn_implementation="sdpa", causal=1)
+
+
+@pytest.mark.parametrize("implementation", ["flash_attention_2", "flash_attention_3", "flash_attention_4"])
+def test_every_flash_backend_gets_the_varlen_arguments(implementation):
+    inputs = hf_model_inputs(DOCUMENT_IDS, transformers.LlamaConfig(**SIZES), attn_implementation=implementation)
+    assert "attention_mask" not in inputs
+    assert torch.equal(inputs["cu_seq_lens_q"], packfn.physical_varlen_metadata(DOCUMENT_IDS).cu_seqlens)
+    assert inputs["max_length_q"] == inputs["max_length_k"] == DOCUMENT_IDS.shape[1]
