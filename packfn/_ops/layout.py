@@ -281,7 +281,8 @@ def _inverse(source_indices: torch.Tensor, sequence_length: int) -> torch.Tensor
     target = (source_indices + rows).masked_fill_(~real, 0)
     columns = torch.arange(length, device=device).expand(batch, length).masked_fill(~real, -1)
     inverse = source_indices.new_full((batch * sequence_length,), -1)
-    inverse.scatter_reduce_(0, target.reshape(-1), columns.reshape(-1), reduce="amax")
+    if inverse.numel():  # an empty buffer has no first entry to take the other columns' writes (eager only)
+        inverse.scatter_reduce_(0, target.reshape(-1), columns.reshape(-1), reduce="amax")
     return inverse.view(batch, sequence_length)
 
 
