@@ -134,7 +134,7 @@ def count_kernels(codes: list[str]) -> dict[str, object]:
 def static_ops(inputs, alignment: int) -> dict[str, tuple[Callable[..., object], tuple]]:
     """Name to ``(function, args)`` for every static op, on ``inputs`` (scripts/benchmarks/common.Inputs)."""
     import packfn
-    from packfn import aligned_layout, attention, safe_budget
+    from packfn import aligned_layout, document_block_mask, physical_varlen_metadata, safe_budget, unpad
 
     mask, seq_lens, capacity = inputs.document_ids, inputs.seq_lens, inputs.max_documents
     sequence = mask.shape[1]
@@ -150,10 +150,10 @@ def static_ops(inputs, alignment: int) -> dict[str, tuple[Callable[..., object],
         "flatten_metadata": (packfn.flatten_metadata, (narrow.packed_token_indices, narrow.cu_seqlens)),
         "aligned_layout": (layout_of, (seq_lens,)),
         "pack": (lambda seq_lens, values: layout_of(seq_lens).pack(values), (seq_lens, inputs.values)),
-        "physical_varlen_metadata": (attention.physical_varlen_metadata, (mask,)),
-        "document_block_mask": (lambda mask: attention.document_block_mask(mask).kv_num_blocks, (mask,)),
+        "physical_varlen_metadata": (physical_varlen_metadata, (mask,)),
+        "document_block_mask": (lambda mask: document_block_mask(mask).kv_num_blocks, (mask,)),
         "unpad": (
-            lambda mask, values: attention.unpad(values, packfn.varlen_metadata(mask, max_documents=capacity)),
+            lambda mask, values: unpad(values, packfn.varlen_metadata(mask, max_documents=capacity)),
             (mask, inputs.values),
         ),
     }
