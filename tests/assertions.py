@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from tests.strategies_layout import LAYOUT_FIELDS
+
 
 def assert_same(actual, expected) -> None:
     """Equal values, dtypes, shapes and Python types, recursively."""
@@ -31,3 +33,40 @@ def outcome(function, *args, **kwargs):
         return ("ok", function(*args, **kwargs))
     except Exception as error:  # the oracle's exception is the thing compared
         return ("error", type(error), str(error))
+
+
+def assert_same_outcome(ours, theirs) -> None:
+    """Two :func:`outcome` s: the same result (:func:`assert_same`), or the same error type and message."""
+    assert ours[0] == theirs[0], (ours, theirs)
+    if ours[0] == "ok":
+        assert_same(ours[1], theirs[1])
+    else:
+        assert ours[1:] == theirs[1:]
+
+
+def assert_layouts_equal(actual, expected) -> None:
+    """Two ``PackedSequenceLayout`` s (packfn's or upstream's) with equal fields, dtypes and devices."""
+    for name in LAYOUT_FIELDS:
+        left, right = getattr(actual, name), getattr(expected, name)
+        assert left.dtype == right.dtype and left.device == right.device, name
+        assert left.shape == right.shape and torch.equal(left, right), name
+
+
+def assert_all_equal(actual, expected) -> None:
+    """Two sequences of tensors, equal one for one in dtype, shape and value."""
+    assert len(actual) == len(expected)
+    for left, right in zip(actual, expected, strict=True):
+        assert left.dtype == right.dtype and left.shape == right.shape
+        torch.testing.assert_close(left, right, rtol=0, atol=0)
+
+
+def assert_same_math(actual, expected, mask, atol=1e-10, rtol=1e-10) -> None:
+    """Two ``(output, (grad_q, grad_k, grad_v))`` of :func:`tests.references.forward_backward`, equal at valid tokens.
+
+    And no gradient at padding: no query reads it, and padding outputs carry none.
+    """
+    valid = (mask != 0).reshape(*mask.shape, 1, 1)
+    for got, want in zip((actual[0], *actual[1]), (expected[0], *expected[1]), strict=True):
+        torch.testing.assert_close(got.to(want.dtype) * valid, want * valid, atol=atol, rtol=rtol)
+    for grad in actual[1]:  # no query reads padding, and padding outputs carry no gradient
+        assert not (grad * ~valid).any()

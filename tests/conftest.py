@@ -5,9 +5,7 @@ from __future__ import annotations
 import atexit
 import os
 import shutil
-import sys
 import tempfile
-from pathlib import Path
 
 import pytest
 from hypothesis import settings
@@ -19,10 +17,6 @@ from hypothesis import settings
 _CACHE = tempfile.mkdtemp(prefix="packfn-inductor-")
 os.environ["TORCHINDUCTOR_CACHE_DIR"] = _CACHE
 atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
-
-# The strategy modules and scripts are imported as top-level names.
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(1, str(Path(__file__).resolve().parents[1]))
 
 # Hypothesis: every failure prints the blob that reproduces it
 # (``@reproduce_failure(...)``), CI (which sets CI=true) draws the same
@@ -51,3 +45,13 @@ def pytest_runtest_setup(item):
             f"(print_blob=True, deadline=None, derandomize={_CI}): {test_settings}",
             pytrace=False,
         )
+
+
+@pytest.fixture
+def no_graph_breaks():
+    """Fail the test if torch.compile broke a graph during it."""
+    from torch._dynamo.utils import counters  # not at the top: torch must see the cache folder set above
+
+    counters.clear()
+    yield
+    assert not counters["graph_break"], dict(counters["graph_break"])

@@ -1,4 +1,4 @@
-"""Hypothesis strategies for packing masks, shared by the test modules."""
+"""Packing masks shared by the test modules: the worked example, broken masks, Hypothesis strategies, generators."""
 
 from __future__ import annotations
 
@@ -6,6 +6,55 @@ import torch
 from hypothesis import strategies as st
 
 MASK_DTYPES = (torch.bool, torch.uint8, torch.int32, torch.int64)
+
+EXAMPLE = torch.tensor([[1, 1, 2, 2, 2, 0], [1, 1, 1, 1, 0, 0]])
+"""The worked example of the packing format (:mod:`packfn._ops.metadata`): documents of 2, 3 and 4 tokens."""
+
+INCONSISTENT = {
+    "id_reappears_after_another": (torch.tensor([[1, 1, 2, 1]]), "must not decrease"),
+    "ids_out_of_order": (torch.tensor([[2, 2, 1, 0]]), "must not decrease"),
+    "negative_id": (torch.tensor([[1, -1, 0]]), "negative"),
+    "floating_mask": (torch.tensor([[1.0, 1.0, 0.0]]), "integer or bool"),
+}
+"""Masks upstream gets wrong (name to ``(mask, part of packfn's message)``): packfn raises instead."""
+
+
+def fits_dtype(mask: torch.Tensor) -> bool:
+    """Whether every document length fits the mask's dtype (upstream wraps silently otherwise)."""
+    if mask.dtype == torch.bool:
+        return True
+    lengths = [(mask == value).sum().item() for value in mask.unique().tolist() if value]
+    return max(lengths, default=0) <= torch.iinfo(mask.dtype).max
+
+
+def documents_per_row(mask: torch.Tensor) -> int:
+    """The most documents a row of ``mask`` holds."""
+    return max(len(set(row) - {0}) for row in mask.to(torch.int64).tolist())
+
+
+def random_mask(batch: int, sequence: int, seed: int, *, documents: int = 4, dtype=torch.int64) -> torch.Tensor:
+    """Rows of up to ``documents`` contiguous documents, random padding at the end and inside."""
+    generator = torch.Generator().manual_seed(seed)
+    cuts = torch.rand(batch, sequence, generator=generator) < (documents - 1) / sequence
+    cuts[:, 0] = False
+    ids = (cuts.cumsum(1) + 1).clamp_max(documents)
+    keep = torch.rand(batch, sequence, generator=generator) > 0.1
+    used = torch.randint(0, sequence + 1, (batch, 1), generator=generator)
+    ids = ids * keep * (torch.arange(sequence) < used)
+    ids[0, 0] = 1  # at least one valid token
+    return (ids > 0) if dtype == torch.bool else ids.to(dtype)
+
+
+def document_mask(batch: int, sequence: int, *, seed: int, documents: int = 4) -> torch.Tensor:
+    """int64 ``[batch, sequence]``: up to ``documents`` contiguous documents per row, then padding."""
+    generator = torch.Generator().manual_seed(seed)
+    cuts = torch.rand(batch, sequence, generator=generator) < (documents - 1) / sequence
+    cuts[:, 0] = False
+    ids = (cuts.cumsum(1) + 1).clamp_max(documents)
+    used = torch.randint(sequence // 2, sequence + 1, (batch, 1), generator=generator)
+    ids = ids * (torch.arange(sequence) < used)
+    ids[:, 0] = 1  # every row holds a token
+    return ids
 
 
 @st.composite

@@ -8,6 +8,7 @@ import torch
 from hypothesis import strategies as st
 
 import packfn
+
 from tests.strategies_layout import length_tables
 
 
@@ -51,7 +52,7 @@ def shard_cases(draw, *, max_world: int = 4) -> ShardCase:
     world = draw(st.integers(1, max_world))
     alignment = draw(st.sampled_from([1, 2, 4]))
     unit = world * alignment
-    fits = packfn.aligned_length(sequence, len(lengths[0]), alignment)
+    fits = packfn.safe_budget(sequence, len(lengths[0]), alignment)
     budget = (fits + unit - 1) // unit * unit + unit * draw(st.integers(0, 2))
     seed = draw(st.integers(0, 2**16))
     generator = torch.Generator().manual_seed(seed)

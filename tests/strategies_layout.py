@@ -21,12 +21,17 @@ class LayoutInput(NamedTuple):
     minimum_length: int
 
     def kwargs(self) -> dict:
-        return {
-            "seq_lens_padded": self.seq_lens_padded,
-            "input_shape": self.input_shape,
-            "alignment": self.alignment,
-            "minimum_length": self.minimum_length,
-        }
+        return layout_kwargs(self.seq_lens_padded, self.input_shape, self.alignment, self.minimum_length)
+
+
+def layout_kwargs(spans, input_shape, alignment, minimum_length=0) -> dict:
+    """Keyword arguments of ``packed_layout`` (packfn's and upstream's)."""
+    return {
+        "seq_lens_padded": spans,
+        "input_shape": input_shape,
+        "alignment": alignment,
+        "minimum_length": minimum_length,
+    }
 
 
 def _row_span(lengths: list[int], spans: list[int]) -> int:
@@ -107,6 +112,13 @@ def layout_inputs(draw, *, broken: bool = False) -> LayoutInput:
     return LayoutInput(seq_lens, seq_lens_padded, (batch, sequence), alignment, minimum_length)
 
 
+def round_trip_inputs(sequence: int, trailing: tuple[int, ...]):
+    """Length tables ``[2, 3]`` whose first row fills ``sequence``, and values ``[2, sequence, *trailing]``."""
+    lens = torch.tensor([[3, 5, sequence - 8], [1, -1000, 2]])
+    values = torch.randn(2, sequence, *trailing, generator=torch.Generator().manual_seed(sequence))
+    return lens, values
+
+
 def random_values(shape, dtype, seed=0):
     """Activations of any dtype for pack / restore / unpad / pad: random, reproducible from ``seed``."""
     generator = torch.Generator().manual_seed(seed)
@@ -115,3 +127,12 @@ def random_values(shape, dtype, seed=0):
     if not dtype.is_floating_point:
         return torch.randint(-100, 100, shape, generator=generator, dtype=dtype)
     return torch.randn(shape, generator=generator).to(dtype)
+
+
+LAYOUT_FIELDS = ("source_indices", "input_positions", "position_ids", "sequence_ids")
+"""The tensor fields of a ``PackedSequenceLayout`` (packfn's and upstream's)."""
+
+
+def layout_fields(layout) -> tuple[torch.Tensor, ...]:
+    """A layout's :data:`LAYOUT_FIELDS`, in order."""
+    return tuple(getattr(layout, name) for name in LAYOUT_FIELDS)

@@ -29,8 +29,8 @@ PACKAGE = Path(packfn.__file__).resolve().parent
 # ``packfn.varlen_metadata`` (whose code Dynamo traces) is untouched, so
 # the graph Dynamo hands to AOTAutograd is the same for both copies.
 OP_FILE = Path("_ops", "metadata.py")
-OP_BODY = "num_tokens.clone(), num_documents, parsed.broken"
-OP_BODY_EDITED = "(num_tokens + 1).clone(), num_documents, parsed.broken"
+OP_BODY = "seqlens.max(), valid.sum(), num_documents, parsed.broken"
+OP_BODY_EDITED = "seqlens.max(), valid.sum() + 1, num_documents, parsed.broken"
 
 # Runs in a child process with one copy of packfn first on PYTHONPATH.
 CHILD = """

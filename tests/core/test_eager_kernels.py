@@ -4,17 +4,19 @@ from __future__ import annotations
 
 import pytest
 import torch
-from assertions import assert_same
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
-from strategies import packing_masks
-from strategies_layout import layout_inputs
 
-from packfn._ops import attention as attention_ops
 from packfn._ops import layout as layout_ops
 from packfn._ops import metadata as ops
+from packfn._ops import varlen as varlen_ops
+from packfn._ops._cpu import numpy_views
 
-EAGER_OPS = [ops.varlen_metadata, ops.batch_metadata]
+from tests.assertions import assert_same
+from tests.strategies import packing_masks
+from tests.strategies_layout import layout_inputs
+
+EAGER_OPS = [ops.varlen_metadata_op, ops.batch_metadata_op]
 
 
 def test_every_listed_op_has_its_own_eager_kernel():
@@ -62,7 +64,7 @@ def test_eager_kernel_reports_the_same_first_broken_rule(op, name):
 @given(inputs=layout_inputs(broken=True), data=st.data())
 def test_layout_eager_kernel_matches_decomposition(inputs, data):
     """``aligned_layout``'s eager ``input_positions`` (an indexed write) equals its decomposition's (a search)."""
-    op = layout_ops.aligned_layout
+    op = layout_ops.aligned_layout_op
     assert op.eager is not op.math
     batch, sequence = inputs.input_shape
     lengths = inputs.seq_lens.reshape(batch, -1)
@@ -87,8 +89,22 @@ def any_ids(draw) -> torch.Tensor:
 @given(ids=any_ids(), transpose=st.booleans())
 def test_physical_varlen_eager_kernel_matches_decomposition(ids, transpose):
     """``physical_varlen_metadata``'s CPU eager kernel (one ``nonzero``) equals its decomposition (a scatter)."""
-    op = attention_ops.physical_varlen_metadata
+    op = varlen_ops.physical_varlen_metadata_op
     assert op.eager is not op.math
     if transpose:  # a non-contiguous input
         ids = ids.t().contiguous().t()
     assert_same(tuple(op.eager(ids)), tuple(op.math(ids)))
+
+
+def test_numpy_gets_no_view_of_a_functorch_wrapper():
+    """DLPack of a functionalize wrapper exports memory that is not its values: the wrapper gets no NumPy view."""
+    seen = []
+
+    def view(tensor):
+        seen.append(numpy_views(tensor))
+        return tensor
+
+    torch.func.functionalize(view)(torch.tensor([[0, 1]]))
+    torch.func.vmap(view)(torch.tensor([[0, 1]]))
+    assert seen == [None, None]
+    assert numpy_views(torch.tensor([[0, 1]])) is not None

@@ -27,12 +27,14 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import ShapeEnv, free_unbacked_symbols
 
 import packfn
+import packfn.nemo_automodel
 from packfn._ops import layout as layout_ops
 from packfn._ops import metadata as metadata_ops
+
+from tests.strategies import EXAMPLE
 from tests.strategies_layout import random_values
 
 NAMESPACE = "packfn"
-EXAMPLE = torch.tensor([[1, 1, 2, 2, 2, 0], [1, 1, 1, 1, 0, 0]])
 
 
 def registered_ops() -> list[str]:
@@ -80,7 +82,7 @@ def _metadata_samples():
 def _flatten_samples():
     for name, mask in MASKS.items():
         for documents in (1, 3, mask.shape[1]):
-            indices, cu_seqlens = metadata_ops.batch_metadata(mask, documents)[:2]
+            indices, cu_seqlens = metadata_ops.batch_metadata_op(mask, documents)[:2]
             yield f"{name}-D{documents}-int32", (indices, cu_seqlens)
             yield f"{name}-D{documents}-int64", (indices, cu_seqlens.long())
     yield "int32-indices", (EXAMPLE.int(), torch.tensor([[0, 2, 5], [0, 4, -1]]))
@@ -108,7 +110,7 @@ VALUE_CASES = [
 
 
 def _pack_samples(restore: bool):
-    tables = layout_ops.aligned_layout(*next(_layout_tables())[1])
+    tables = layout_ops.aligned_layout_op(*next(_layout_tables())[1])
     source_indices, input_positions = tables[0], tables[3]
     for dtype, trailing in VALUE_CASES:
         name = f"{dtype}-{trailing}"
@@ -128,7 +130,7 @@ def _pack_samples(restore: bool):
 
 
 def _varlen(mask, documents=None):
-    return metadata_ops.varlen_metadata(mask, mask.shape[1] if documents is None else documents)
+    return metadata_ops.varlen_metadata_op(mask, mask.shape[1] if documents is None else documents)
 
 
 def _unpad_samples():
@@ -161,12 +163,20 @@ def _document_ids_samples():
     yield "negative-ids", (torch.tensor([[1, -1, -1, 0], [3, 3, 2, 0]]),)
 
 
+def _checked_document_ids_samples():
+    """As :func:`_document_ids_samples`, for the mask ops that take ``check`` (NOTE [Check once])."""
+    for name, (mask,) in _document_ids_samples():
+        yield f"{name}-checked", (mask, True)
+    yield "int64-unchecked", (EXAMPLE, False)
+
+
 def _kv_block_samples():
     for name, mask in MASKS.items():
         for block_size, window, separate in ((1, None, True), (4, 2, False), (7, 3, True), (128, None, False)):
-            yield f"{name}-b{block_size}-w{window}-{separate}", (mask, block_size, window, separate)
+            yield f"{name}-b{block_size}-w{window}-{separate}", (mask, block_size, window, separate, None, True)
         positions = torch.arange(mask.shape[1]).expand(mask.shape).contiguous()
-        yield f"{name}-b4-w2-positions", (mask, 4, 2, True, positions)
+        yield f"{name}-b4-w2-positions", (mask, 4, 2, True, positions, True)
+    yield "int64-b4-unchecked", (EXAMPLE, 4, None, True, None, False)
 
 
 SAMPLES = {
@@ -176,9 +186,10 @@ SAMPLES = {
     "aligned_layout": _layout_tables,
     "pack": lambda: _pack_samples(restore=False),
     "restore": lambda: _pack_samples(restore=True),
-    "block_causal_mask": _document_ids_samples,
+    "block_causal_mask": _checked_document_ids_samples,
     "physical_varlen_metadata": _document_ids_samples,
     "position_ids": _document_ids_samples,
+    "document_positions": _document_ids_samples,
     "document_kv_blocks": _kv_block_samples,
     "unpad": _unpad_samples,
     "pad": _pad_samples,
@@ -236,7 +247,8 @@ def _cases():
 def test_every_op_has_fake_samples(op_name):
     """A new op must get samples here (a fake nothing runs is a fake nothing checks)."""
     assert op_name in SAMPLES or op_name in SHAPE_ENV_FAKES, (
-        f"packfn::{op_name} has no sample in tests/test_fakes.py: add inputs to SAMPLES so that its fake is checked"
+        f"packfn::{op_name} has no sample in tests/core/test_fakes.py: "
+        "add inputs to SAMPLES so that its fake is checked"
     )
     if op_name in SAMPLES:
         assert len(list(SAMPLES[op_name]())) >= 3, f"give packfn::{op_name} several samples"

@@ -1,30 +1,22 @@
-"""Mask parsing under torch.compile, torch.export and opcheck: fused, static, no graph breaks."""
+"""The static metadata ops under torch.compile, torch.export and opcheck: fused, static, no graph breaks."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from assertions import assert_same
 from torch._dynamo.testing import CompileCounterWithBackend
 from torch._dynamo.utils import counters
 from torch._inductor.utils import run_and_get_code
+from torch.export import Dim
 
 import packfn
 
-CAPACITY = 4
+from tests.assertions import assert_same
+from tests.compiling import packfn_nodes
+from tests.strategies import document_mask, random_mask
+from tests.strategies_layout import layout_fields
 
-
-def random_mask(batch: int, sequence: int, seed: int, *, documents: int = CAPACITY, dtype=torch.int64):
-    """Rows of up to ``documents`` contiguous documents, random padding at the end and inside."""
-    generator = torch.Generator().manual_seed(seed)
-    cuts = torch.rand(batch, sequence, generator=generator) < (documents - 1) / sequence
-    cuts[:, 0] = False
-    ids = (cuts.cumsum(1) + 1).clamp_max(documents)
-    keep = torch.rand(batch, sequence, generator=generator) > 0.1
-    used = torch.randint(0, sequence + 1, (batch, 1), generator=generator)
-    ids = ids * keep * (torch.arange(sequence) < used)
-    ids[0, 0] = 1  # at least one valid token
-    return (ids > 0) if dtype == torch.bool else ids.to(dtype)
+CAPACITY = 4  # the most documents random_mask puts in a row
 
 
 def static_path(mask):
@@ -32,18 +24,6 @@ def static_path(mask):
     batch = packfn.batch_metadata(mask, max_documents=CAPACITY)
     flattened = packfn.flatten_metadata(batch.packed_token_indices, batch.cu_seqlens)
     return (*flat[:6], *batch[:4], *flattened[:6])
-
-
-def drop_in_path(mask):
-    indices, cu_seqlens, max_seqlen = packfn.get_unpad_data(mask)
-    metadata = packfn.build_packed_sequence_metadata(mask)
-    flat = packfn.flatten_packed_sequence_metadata(
-        metadata["packed_token_indices"],
-        metadata["cu_seqlens"],
-        batch_size=mask.shape[0],
-        sequence_length=mask.shape[1],
-    )
-    return indices, cu_seqlens, max_seqlen, metadata, flat, packfn.get_seqlens_in_batch(mask)
 
 
 class VarlenProjection(torch.nn.Module):
@@ -69,7 +49,6 @@ def fresh_counters():
 
 
 compiled_static = torch.compile(static_path, fullgraph=True)
-compiled_drop_ins = torch.compile(drop_in_path, fullgraph=True)
 
 
 def test_static_ops_compile_to_fused_code_without_packfn_calls():
@@ -92,17 +71,6 @@ def test_static_ops_compile_for_other_mask_dtypes(dtype):
     mask = random_mask(2, 8, seed=3, dtype=dtype)
     compiled = torch.compile(lambda mask: static_path(mask), fullgraph=True)
     assert_same(compiled(mask), static_path(mask))
-
-
-def test_drop_ins_compile_without_graph_breaks_or_recompiles():
-    first = random_mask(3, 16, seed=0)
-    result, code = run_and_get_code(compiled_drop_ins, first)
-    assert_same(result, drop_in_path(first))
-    assert "packfn" not in "\n".join(code)
-    with torch._dynamo.config.patch(error_on_recompile=True):
-        for seed in range(1, 21):
-            mask = random_mask(3, 16, seed=seed)
-            assert_same(compiled_drop_ins(mask), drop_in_path(mask))
 
 
 def default_capacity_path(mask):
@@ -158,16 +126,6 @@ class ExportedMetadata(torch.nn.Module):
         return static_path(mask)
 
 
-class ExportedDropIns(torch.nn.Module):
-    def forward(self, mask):
-        indices, cu_seqlens, max_seqlen = packfn.get_unpad_data(mask)
-        return indices, cu_seqlens, max_seqlen
-
-
-def packfn_nodes(program) -> set[str]:
-    return {str(node.target) for node in program.graph.nodes if str(node.target).startswith("packfn.")}
-
-
 def test_export_keeps_named_ops_and_decomposes_them():
     program = torch.export.export(ExportedMetadata(), (random_mask(3, 16, seed=0),))
     assert {"packfn.varlen_metadata.default", "packfn.batch_metadata.default"} <= packfn_nodes(program)
@@ -177,20 +135,6 @@ def test_export_keeps_named_ops_and_decomposes_them():
         mask = random_mask(3, 16, seed=seed)
         assert_same(tuple(program.module()(mask)), static_path(mask))
         assert_same(tuple(lowered.module()(mask)), static_path(mask))
-
-
-def test_export_of_drop_ins_has_unbacked_sizes():
-    program = torch.export.export(ExportedDropIns(), (random_mask(3, 16, seed=0),))
-    assert "packfn._sizes.default" in packfn_nodes(program)
-    lowered = program.run_decompositions()
-    assert packfn_nodes(lowered) == set()
-    for seed in (4, 5):
-        mask = random_mask(3, 16, seed=seed)
-        expected = packfn.get_unpad_data(mask)
-        for candidate in (program, lowered):
-            indices, cu_seqlens, max_seqlen = candidate.module()(mask)
-            assert torch.equal(indices, expected[0]) and torch.equal(cu_seqlens, expected[1])
-            assert int(max_seqlen) == expected[2]
 
 
 MASKS = [
@@ -208,5 +152,80 @@ def test_opcheck_mask_ops(mask):
     torch.library.opcheck(torch.ops.packfn.flatten_metadata.default, (batch.packed_token_indices, batch.cu_seqlens))
 
 
-def test_opcheck_sizes_op():
-    torch.library.opcheck(torch.ops.packfn._sizes.default, (torch.tensor([3, 0, 5]), [4, 4, 9]))
+# ------------------------------------------------ dynamic shapes across size thresholds
+
+
+class Block(torch.nn.Module):
+    """The README's compiled-forward example."""
+
+    def __init__(self, hidden, max_documents=16):
+        super().__init__()
+        self.proj = torch.nn.Linear(hidden, hidden)
+        self.max_documents = max_documents
+
+    def forward(self, x, document_ids):  # [batch, sequence, hidden], [batch, sequence]
+        meta = packfn.varlen_metadata(document_ids, max_documents=self.max_documents)
+        tokens = x.flatten(0, 1)[meta.indices]  # valid tokens first, then padding
+        tokens = self.proj(tokens)  # a varlen kernel would take meta.cu_seqlens here
+        out = torch.zeros_like(tokens).index_copy(0, meta.indices, tokens)
+        return out.view_as(x), meta.cu_seqlens, meta.max_seqlen
+
+
+class Blocks(torch.nn.Module):
+    """The README's Block with a real cap (16) and with the default capacity (D = sequence), in one graph."""
+
+    def __init__(self, hidden):
+        super().__init__()
+        self.capped = Block(hidden, max_documents=16)
+        self.default = Block(hidden, max_documents=None)
+
+    def forward(self, x, document_ids):
+        return (*self.capped(x, document_ids), *self.default(x, document_ids))
+
+
+def test_dynamic_compile_is_one_frame_across_sequence_lengths():
+    # With the cap 16, the choice between binary search and scatter once flipped at
+    # sequence = 32 * (batch * 16 + 1) / batch (between 512 and 1024 at batch 2): a recompile
+    # under dynamic=True and a Dim range that export could not keep.
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = Blocks(64)
+    counter = CompileCounterWithBackend("inductor")
+    compiled = torch.compile(model, fullgraph=True, dynamic=True, backend=counter)
+    for step, sequence in enumerate([8, 256, 512, 1024, 2048]):
+        x = torch.randn(2, sequence, 64, generator=torch.Generator().manual_seed(sequence))
+        mask = document_mask(2, sequence, seed=sequence)
+        with torch._dynamo.config.patch(error_on_recompile=step > 0):
+            outputs = compiled(x, mask)
+        for index, (actual, expected) in enumerate(zip(outputs, model(x, mask), strict=True)):
+            if index % 3 == 0:  # the projected activations
+                torch.testing.assert_close(actual, expected)
+            else:
+                assert_same(actual, expected)
+    assert counter.frame_count == 1
+
+
+class _SearchingOps(torch.nn.Module):
+    def forward(self, mask, seq_lens):
+        layout = packfn.aligned_layout(seq_lens, sequence_length=mask.shape[1], alignment=2, budget=2 * mask.shape[1])
+        return (*packfn.batch_metadata(mask, max_documents=4)[:4], *layout_fields(layout))
+
+
+def _searching_inputs(batch: int, sequence: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    mask = torch.tensor([[1, 1, 2, 0, 3, 3, 3, 0]] * batch)[:, :sequence]
+    return mask, torch.tensor([[2, 1, 3, 0]] * batch)  # 4 slots: no batch size equals it (duck sizing)
+
+
+def test_no_batch_size_is_special_to_the_searches():
+    """One dynamic compile serves batches 3, 2 and 5; export with a batch Dim from 2 runs at 2."""
+    counter = CompileCounterWithBackend("inductor")
+    compiled = torch.compile(_SearchingOps(), backend=counter, fullgraph=True, dynamic=True)
+    for batch in (3, 2, 5):
+        assert_same(compiled(*_searching_inputs(batch)), _SearchingOps()(*_searching_inputs(batch)))
+    assert counter.frame_count == 1
+    batch_dim = Dim("batch", min=2, max=64)
+    exported = torch.export.export(
+        _SearchingOps(), _searching_inputs(3), dynamic_shapes=({0: batch_dim}, {0: batch_dim})
+    ).run_decompositions()
+    for batch in (2, 4):
+        assert_same(exported.module()(*_searching_inputs(batch)), _SearchingOps()(*_searching_inputs(batch)))

@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import packfn
-from packfn import aligned_layout, aligned_length, batch_metadata, pack_documents, pack_stream, varlen_metadata
+from packfn import aligned_layout, batch_metadata, pack_documents, pack_stream, safe_budget, varlen_metadata
 from packfn import packer as packer_module
 from packfn.packer import PackedBatch, Piece
 
@@ -75,7 +75,7 @@ def assert_fits_the_static_ops(packed: PackedBatch, limits: Budgets) -> None:
         packed.seq_lens_padded,
         sequence_length=limits.sequence,
         alignment=limits.alignment,
-        length=packed.budget,
+        budget=packed.budget,
     )
     # The real tokens fit: packing token values into the aligned rows and back loses none of them.
     values = torch.arange(1, packed.batch * limits.sequence + 1).view(packed.batch, limits.sequence)
@@ -158,7 +158,7 @@ def test_unsplit_batches_fit_the_static_budgets_and_keep_every_document_whole_in
     assert [group[0].length for group in grouped] == lengths
     assert all(group[0].offset == 0 for group in grouped)
     assert packed.num_tokens == sum(lengths)
-    assert packed.fill == sum(lengths) / (packed.batch * packed.budget)
+    assert packed.fill_ratio == sum(lengths) / (packed.batch * packed.budget)
 
 
 @HYPOTHESIS
@@ -236,7 +236,7 @@ def test_a_stream_is_read_lazily_and_indexes_documents_from_its_start():
 
 def test_the_default_budget_is_the_input_row_and_beats_the_worst_case():
     packed = pack_documents([100] * 20, sequence=512, alignment=16, max_documents=16)
-    assert packed.budget == 512 < aligned_length(512, 16, 16) == 752
+    assert packed.budget == 512 < safe_budget(512, 16, 16) == 752
     assert pack_documents([3], sequence=10, alignment=4, max_documents=2).budget == 12
     # Five 100-token documents (112 aligned columns each) would need 560 columns: a row holds four.
     assert [len(row) for row in packed.rows] == [4] * 5

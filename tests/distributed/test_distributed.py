@@ -31,14 +31,16 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
 import packfn
+import packfn.nemo_automodel as drop_ins
 from packfn.distributed import (
     cp_block_causal_mask,
     cp_varlen_metadata,
     gather_sequence,
-    shard_cp_batch,
     shard_packed_batch,
 )
+
 from tests.assertions import assert_same, outcome
+from tests.references import masked_attention, varlen_attention
 
 WORLDS = (2, 4)
 DEADLINE = 120.0
@@ -147,42 +149,10 @@ def tiny_attention(params, input_ids, labels, attend, gather, count):
     return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum") / count
 
 
-def masked_attention(mask):
-    """Dense attention with a ``[batch, queries, keys]`` mask (every row has a key: see the callers)."""
-
-    def attend(q, k, v):
-        scores = (q @ k.transpose(1, 2) / math.sqrt(q.shape[-1])).masked_fill(~mask, float("-inf"))
-        return scores.softmax(-1) @ v
-
-    return attend
-
-
-def varlen_attention(cu_seqlens_q, cu_seqlens_k):
-    """Reference varlen kernel: each segment alone, causal aligned bottom-right (flash-attn >= 2.1)."""
-
-    def attend(q, k, v):
-        batch, queries = q.shape[:2]
-        q, k, v = q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1)
-        bounds_q, bounds_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
-        pieces = []
-        for first_q, last_q, first_k, last_k in zip(bounds_q, bounds_q[1:], bounds_k, bounds_k[1:], strict=False):
-            if last_q == first_q:
-                continue
-            rows, cols = last_q - first_q, last_k - first_k
-            causal = torch.arange(cols) <= torch.arange(rows)[:, None] + (cols - rows)
-            scores = q[first_q:last_q] @ k[first_k:last_k].T / math.sqrt(q.shape[-1])
-            pieces.append(scores.masked_fill(~causal, float("-inf")).softmax(-1) @ v[first_k:last_k])
-        out = torch.cat(pieces)
-        assert out.shape[0] == batch * queries
-        return out.view(batch, queries, -1)
-
-    return attend
-
-
 def single_process_run(seed: int, kind: str):
     """Loss and gradients of the whole packed row in one process, from the existing ops only."""
     seq_lens, tokens, labels = packed_inputs(seed)
-    layout = packfn.aligned_layout(seq_lens, sequence_length=SEQUENCE, alignment=ALIGNMENT, length=BUDGET)
+    layout = packfn.aligned_layout(seq_lens, sequence_length=SEQUENCE, alignment=ALIGNMENT, budget=BUDGET)
     sequence_ids = layout.sequence_ids
     if kind == "block_causal":
         attend = masked_attention(packfn.block_causal_mask(sequence_ids).squeeze(1) | torch.eye(BUDGET, dtype=bool))
@@ -250,7 +220,7 @@ def check_compiled_step_matches_eager_without_recompiles(rank, world):
     # aot_eager: Dynamo and AOTAutograd trace the whole sharded step (the
     # functional collectives included) exactly as for Inductor, without
     # Inductor's C++ compile, which takes minutes in 4 processes on 2 cores.
-    # Inductor compiles the local part in tests/test_microbatch.py.
+    # Inductor compiles the local part in tests/distributed/test_distributed_local.py.
     torch._dynamo.reset()
     compiled = torch.compile(sharded_loss, fullgraph=True, backend="aot_eager", dynamic=False)
     try:
@@ -269,21 +239,23 @@ def check_gather_sequence_matches_upstream(rank, world):
 
     group = dist.group.WORLD
     weights = torch.randn(2, 3 * world, 4, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
-    grads = []
-    for gather in (gather_sequence, upstream):
-        shard = (torch.arange(24, dtype=torch.float64).view(2, 3, 4) * (rank + 1)).requires_grad_()
-        gathered = gather(shard, group)
-        (gathered * gathered * weights).sum().backward()
-        grads.append((gathered.detach(), shard.grad))
-    assert_same(grads[0], grads[1])
-    torch._dynamo.reset()
-    compiled = torch.compile(gather_sequence, fullgraph=True, backend="aot_eager")
-    for dtype in (torch.int64, torch.bool, torch.float32):
-        shard = (torch.arange(6).view(2, 3) + 10 * rank).to(dtype)
-        assert_same(gather_sequence(shard, group), upstream(shard, group))
-        assert_same(compiled(shard, group), upstream(shard, group))
-    shard = torch.ones(2, 3)
-    assert gather_sequence(shard, None) is shard
+    # The drop-in, and the core's static form: upstream's values and gradients both.
+    for ours in (drop_ins.gather_sequence, gather_sequence):
+        grads = []
+        for gather in (ours, upstream):
+            shard = (torch.arange(24, dtype=torch.float64).view(2, 3, 4) * (rank + 1)).requires_grad_()
+            gathered = gather(shard, group)
+            (gathered * gathered * weights).sum().backward()
+            grads.append((gathered.detach(), shard.grad))
+        assert_same(grads[0], grads[1])
+        torch._dynamo.reset()
+        compiled = torch.compile(ours, fullgraph=True, backend="aot_eager")
+        for dtype in (torch.int64, torch.bool, torch.float32):
+            shard = (torch.arange(6).view(2, 3) + 10 * rank).to(dtype)
+            assert_same(ours(shard, group), upstream(shard, group))
+            assert_same(compiled(shard, group), upstream(shard, group))
+        shard = torch.ones(2, 3)
+        assert ours(shard, None) is shard
 
 
 def _cp_batches(rank: int, world: int):
@@ -342,7 +314,7 @@ def check_shard_cp_batch_matches_upstream(rank, world):
         for batch, kwargs in _cp_batches(rank, world):
             given = copy.deepcopy(batch)
             theirs = outcome(upstream, cp_mesh, None, copy.deepcopy(batch), **copy.deepcopy(kwargs))
-            ours = outcome(shard_cp_batch, cp_mesh, None, batch, **kwargs)
+            ours = outcome(drop_ins.shard_cp_batch, cp_mesh, None, batch, **kwargs)
             assert_same(batch, given)  # packfn leaves the given dict alone
             _assert_same_shard(ours, theirs)
 
@@ -359,22 +331,32 @@ def check_budget_not_divisible_by_world_raises(rank, world):
 def check_gather_of_different_shapes_raises_on_every_rank(rank, world):
     group = dist.group.WORLD
     shard = torch.zeros(2, 4 + (rank == world - 1), 3)
+    # The drop-in: in eager a ValueError that names every rank's shard, as upstream's.
     with pytest.raises(ValueError, match=r"same shape.*rank 0: \(2, 4, 3\).*rank \d: \(2, 5, 3\)"):
-        gather_sequence(shard, group)
+        drop_ins.gather_sequence(shard, group)
     with pytest.raises(ValueError, match=r"requires_grad"):
-        gather_sequence(torch.zeros(2, 4).requires_grad_(rank == 0), group)
+        drop_ins.gather_sequence(torch.zeros(2, 4).requires_grad_(rank == 0), group)
     # A tensor of one axis on one rank only: every rank raises (none waits in the gather), and the
     # next gather is not paired with the failed one.
+    one_axis_on_rank_0 = torch.zeros(6) if rank == 0 else torch.zeros(2, 3)
+    nine_axes_on_rank_0 = torch.zeros((1,) * (9 if rank == 0 else 2))
     with pytest.raises(ValueError, match=r"2 to 8 axes.*rank 0: \(6,\)"):
-        gather_sequence(torch.zeros(6) if rank == 0 else torch.zeros(2, 3), group)
+        drop_ins.gather_sequence(one_axis_on_rank_0, group)
     with pytest.raises(ValueError, match=r"2 to 8 axes.*9 axes"):
-        gather_sequence(torch.zeros((1,) * (9 if rank == 0 else 2)), group)
-    assert torch.equal(gather_sequence(torch.full((1, 1), float(rank)), group), torch.arange(float(world)).view(1, -1))
+        drop_ins.gather_sequence(nine_axes_on_rank_0, group)
+    full = torch.full((1, 1), float(rank))
+    assert torch.equal(drop_ins.gather_sequence(full, group), torch.arange(float(world)).view(1, -1))
+    # The core's static form: the same checks as one sync-free assert on every rank, in eager too.
+    for broken in (shard, torch.zeros(2, 4).requires_grad_(rank == 0), one_axis_on_rank_0, nine_axes_on_rank_0):
+        with pytest.raises(RuntimeError, match="shards differ in shape, dtype or requires_grad across ranks"):
+            gather_sequence(broken, group)
+    assert torch.equal(gather_sequence(full, group), torch.arange(float(world)).view(1, -1))
     # Compiled, the check is a sync-free assert that fires before the gather, on every rank.
-    torch._dynamo.reset()
-    compiled = torch.compile(lambda t: gather_sequence(t, group) * 2, fullgraph=True, backend="aot_eager")
-    with pytest.raises(RuntimeError, match="shards differ in shape, dtype or requires_grad across ranks"):
-        compiled(shard)
+    for gather in (drop_ins.gather_sequence, gather_sequence):
+        torch._dynamo.reset()
+        compiled = torch.compile(lambda t, gather=gather: gather(t, group) * 2, fullgraph=True, backend="aot_eager")
+        with pytest.raises(RuntimeError, match="shards differ in shape, dtype or requires_grad across ranks"):
+            compiled(shard)
     # The group is still usable afterwards.
     assert gather_sequence(torch.zeros(2, 4), group).shape == (2, 4 * world)
 
@@ -440,7 +422,7 @@ CHECKS["die"] = _die
 
 
 def test_bench_cp_smoke_writes_a_row_per_job(tmp_path):
-    from scripts import bench_cp
+    import bench_cp
 
     path = tmp_path / "bench_cp.json"
     argv = ["--worlds", "2", "--sequences", "256", "--means", "64", "--repeats", "1", "--no-compile"]

@@ -3,7 +3,7 @@
 Every property compares a rank's shard with the whole packed row built by the
 existing ops (``aligned_layout``, ``pack``, ``block_causal_mask``,
 ``physical_varlen_metadata``, ``create_block_mask``). The multi-process runs
-are in ``tests/test_distributed.py``.
+are in ``tests/distributed/test_distributed.py``.
 """
 
 from __future__ import annotations
@@ -22,7 +22,9 @@ from packfn.distributed import (
     cp_varlen_metadata,
     shard_packed_batch,
 )
+
 from tests.assertions import assert_same
+from tests.references import varlen_dense_mask
 from tests.strategies_distributed import ShardCase, shard_cases
 
 SETTINGS = settings(max_examples=30)
@@ -34,7 +36,7 @@ def whole_row(case: ShardCase) -> packfn.PackedSequenceLayout:
         case.seq_lens_padded,
         sequence_length=case.input_ids.shape[1],
         alignment=case.alignment,
-        length=case.budget,
+        budget=case.budget,
     )
 
 
@@ -86,18 +88,6 @@ def test_cp_block_causal_mask_is_this_ranks_rows_of_the_whole_mask(case):
     shard = shard_of(case)
     expected = packfn.block_causal_mask(whole_row(case).sequence_ids)[:, :, own_columns(case)]
     assert_same(cp_block_causal_mask(shard), expected)
-
-
-def varlen_dense_mask(cu_seqlens_q, cu_seqlens_k, queries, keys):
-    """The ``[queries, keys]`` mask a varlen kernel applies (bottom-right causal per segment)."""
-    mask = torch.zeros(queries, keys, dtype=torch.bool)
-    bounds_q, bounds_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
-    for first_q, last_q, first_k, last_k in zip(bounds_q, bounds_q[1:], bounds_k, bounds_k[1:], strict=False):
-        rows, cols = last_q - first_q, last_k - first_k
-        assert 0 <= rows <= cols or rows == 0
-        causal = torch.arange(cols) <= torch.arange(rows)[:, None] + (cols - rows)
-        mask[first_q:last_q, first_k:last_k] = causal
-    return mask
 
 
 @SETTINGS
@@ -152,7 +142,7 @@ def test_cp_document_block_mask_equals_create_block_mask(case, data):
 
 def test_local_part_compiles_with_inductor_without_recompiles():
     # The per-rank part of a sharded step (shard, masks, varlen boundaries) under Inductor;
-    # tests/test_distributed.py compiles the whole step, collectives included.
+    # tests/distributed/test_distributed.py compiles the whole step, collectives included.
     torch._dynamo.reset()
 
     def local_step(seq_lens, tokens):

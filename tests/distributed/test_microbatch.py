@@ -9,14 +9,11 @@ from hypothesis import strategies as st
 
 import packfn
 from packfn.distributed import split_batch_metadata
+
 from tests.assertions import assert_same
-from tests.strategies import packing_masks
+from tests.strategies import documents_per_row, packing_masks
 
 SETTINGS = settings(max_examples=30)
-
-
-def documents_per_row(mask: torch.Tensor) -> int:
-    return max(len(set(row) - {0}) for row in mask.to(torch.int64).tolist())
 
 
 @st.composite

@@ -7,18 +7,9 @@ and Mistral (one sliding window). The reference runs each document alone.
 
 from __future__ import annotations
 
-import functools
-import importlib.util
-import sys
-import types
-from unittest import mock
-
 import pytest
 import torch
 from hypothesis import HealthCheck, example, given, settings
-from hypothesis import strategies as st
-from strategies import packing_masks
-from strategies_attention import document_spans, packed_batches, segments_attention
 from torch.nn.attention.flex_attention import BlockMask
 from transformers import (
     AttentionInterface,
@@ -32,6 +23,11 @@ from transformers import (
 )
 
 import packfn
+from packfn.hf import hf_model_inputs
+
+from tests.references import document_spans, segments_attention, shift_labels_reference
+from tests.strategies import packing_masks
+from tests.strategies_attention import packed_batches
 
 SETTINGS = settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 SIZES = dict(
@@ -111,7 +107,7 @@ def inputs_for(mask, tokens, net, implementation=None, **kwargs):
     implementation = implementation or net.config._attn_implementation
     if implementation == VARLEN:
         implementation = "flash_attention_2"  # packfn builds the flash kwargs; the stand-in consumes them
-    return packfn.hf_model_inputs(
+    return hf_model_inputs(
         mask, net.config, input_ids=tokens, attn_implementation=implementation, block_size=16, **kwargs
     )
 
@@ -207,19 +203,11 @@ def test_training_step_loss_and_gradients_equal_each_document_alone(architecture
 def test_labels_ignore_padding_and_each_documents_first_token():
     net = model("llama", "sdpa")
     labels = torch.arange(EXAMPLE.numel()).view(EXAMPLE.shape) + 100
-    kept = packfn.hf_model_inputs(EXAMPLE, net.config, labels=labels)["labels"] != -100
+    kept = hf_model_inputs(EXAMPLE, net.config, labels=labels)["labels"] != -100
     first = torch.tensor(
         [[1, 0, 0, 0, 1, 0, 1, 0, 0, 1, 0, 0, 0, 0, 0, 0], [0, 0, 1, 0, 0, 0, 0, 0, 0, 1, 1, 0, 0, 0, 0, 0]]
     )
     assert torch.equal(kept, (EXAMPLE != 0) & (first == 0))
-
-
-def shift_labels_reference(mask: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """By loops: the label of the next valid token of the same document, else -100."""
-    out = torch.full_like(labels, -100)
-    for row, positions in document_spans(mask):
-        out[row, positions[:-1]] = labels[row, positions[1:]]
-    return out
 
 
 @SETTINGS
@@ -227,7 +215,7 @@ def shift_labels_reference(mask: torch.Tensor, labels: torch.Tensor) -> torch.Te
 @example(EXAMPLE)
 def test_shift_labels_skip_padding_and_stop_at_each_document_end(mask):
     labels = torch.arange(mask.numel()).view(mask.shape) + 100
-    inputs = packfn.hf_model_inputs(mask, model("llama", "sdpa").config, labels=labels)
+    inputs = hf_model_inputs(mask, model("llama", "sdpa").config, labels=labels)
     assert torch.equal(inputs["shift_labels"], shift_labels_reference(mask, labels))
     assert torch.equal(labels, torch.arange(mask.numel()).view(mask.shape) + 100)  # not mutated
 
@@ -238,9 +226,9 @@ def test_sliding_window_override_for_a_config_the_architecture_ignores():
     config = LlamaConfig(**SIZES, sliding_window=3, attn_implementation="sdpa")
     tokens = tokens_for(EXAMPLE)
     with torch.no_grad():
-        inputs = packfn.hf_model_inputs(EXAMPLE, config, input_ids=tokens, sliding_window=None)
+        inputs = hf_model_inputs(EXAMPLE, config, input_ids=tokens, sliding_window=None)
         assert_logits_match(net, EXAMPLE, tokens, net(**inputs).logits)
-        windowed = packfn.hf_model_inputs(EXAMPLE, config, input_ids=tokens)["attention_mask"]
+        windowed = hf_model_inputs(EXAMPLE, config, input_ids=tokens)["attention_mask"]
         assert not torch.equal(windowed, inputs["attention_mask"])
 
 
@@ -258,7 +246,7 @@ def test_compiled_training_step_has_no_graph_break_and_no_recompile():
         return gm.forward
 
     def step(mask, tokens):
-        return net(**packfn.hf_model_inputs(mask, net.config, input_ids=tokens, labels=tokens)).loss
+        return net(**hf_model_inputs(mask, net.config, input_ids=tokens, labels=tokens)).loss
 
     generator = torch.Generator().manual_seed(0)
     with torch._dynamo.config.patch(error_on_recompile=True):
@@ -299,92 +287,8 @@ def test_transformers_own_packed_path_needs_use_cache_false():
         )
         assert_logits_match(net, mask, tokens, net(input_ids=tokens, position_ids=positions, use_cache=False).logits)
         for use_cache in (True, False):
-            ours = net(**packfn.hf_model_inputs(mask, net.config, input_ids=tokens), use_cache=use_cache).logits
+            ours = net(**hf_model_inputs(mask, net.config, input_ids=tokens), use_cache=use_cache).logits
             assert_logits_match(net, mask, tokens, ours)
-
-
-# ----------------------------------------------------------- position ids
-
-
-def position_ids_reference(mask: torch.Tensor) -> torch.Tensor:
-    """By loops: rank among the document's valid tokens; padding continues the last valid token's count."""
-    out = []
-    for row in mask.to(torch.int64).tolist():
-        seen: dict[int, int] = {}
-        positions, last = [], None  # last: (column, position) of the last valid token
-        for column, document in enumerate(row):
-            if document:
-                seen[document] = seen.get(document, -1) + 1
-                last = (column, seen[document])
-                positions.append(seen[document])
-            else:
-                positions.append(column if last is None else last[1] + column - last[0])
-        out.append(positions)
-    return torch.tensor(out, dtype=torch.int64).view(mask.shape)
-
-
-@SETTINGS
-@given(packing_masks(max_batch=4, max_sequence=48))
-@example(torch.zeros(2, 3, dtype=torch.int64))
-def test_packed_position_ids_match_reference(mask):
-    ours = packfn.packed_position_ids(mask)
-    assert ours.dtype == torch.int64
-    assert torch.equal(ours, position_ids_reference(mask))
-
-
-def test_packed_position_ids_compile_dynamic_with_no_fallback():
-    from torch._inductor.utils import run_and_get_code
-
-    compiled = torch.compile(packfn.packed_position_ids, fullgraph=True, dynamic=True)
-    for mask in (EXAMPLE, torch.tensor([[0, 3, 3, 0, 3, 7, 7, 9] + [9] * 30 + [0, 0]] * 3)):
-        torch._dynamo.reset()
-        result, code = run_and_get_code(compiled, mask)
-        assert torch.equal(result, position_ids_reference(mask))
-        assert not any("torch.ops.packfn" in source for source in code)
-
-
-def test_packed_position_ids_assert_decreasing_ids():
-    with pytest.raises(RuntimeError, match="document ids must not decrease"):
-        packfn.packed_position_ids(torch.tensor([[2, 2, 1]]))
-
-
-@functools.cache
-def upstream_pad_pack():
-    """NeMo AutoModel's ``_tensorize_and_pad_pack``, loaded from its file.
-
-    Its module imports Hugging Face ``datasets`` for other functions; where
-    that is not installed, a stub stands in while the module loads
-    (``_pad_pack`` does not use it).
-    """
-    import nemo_automodel
-
-    path = nemo_automodel.__path__[0] + "/components/datasets/llm/packed_sequence.py"
-    stub = (
-        {}
-        if importlib.util.find_spec("datasets")
-        else {"datasets": types.SimpleNamespace(Dataset=type("Dataset", (), {}), DatasetDict=dict)}
-    )
-    spec = importlib.util.spec_from_file_location("packfn_tests_upstream_packed_sequence", path)
-    module = importlib.util.module_from_spec(spec)
-    with mock.patch.dict(sys.modules, stub):
-        spec.loader.exec_module(module)
-    return module._tensorize_and_pad_pack
-
-
-@SETTINGS
-@given(st.lists(st.lists(st.integers(1, 12), min_size=1, max_size=6), min_size=1, max_size=3), st.integers(0, 7))
-def test_packed_position_ids_equal_nemo_collater(rows, slack):
-    """The collater's position ids (restart per document, trailing padding continues the last one)."""
-    pad_pack = upstream_pad_pack()
-    sequence = max(sum(lengths) for lengths in rows) + slack
-    expected, mask = [], []
-    for lengths in rows:
-        positions = [p for n in lengths for p in range(n)]
-        pack = {"input_ids": positions, "labels": positions, "position_ids": positions, "seq_lens": lengths}
-        expected.append(pad_pack(pack, padding_idx=0, packed_sequence_size=sequence)["position_ids"])
-        ids = [d + 1 for d, n in enumerate(lengths) for _ in range(n)]
-        mask.append(ids + [0] * (sequence - len(ids)))
-    assert torch.equal(packfn.packed_position_ids(torch.tensor(mask)), torch.stack(expected))
 
 
 # ------------------------------------------------------------------ errors
@@ -427,19 +331,19 @@ def test_packed_position_ids_equal_nemo_collater(rows, slack):
 )
 def test_hf_model_inputs_errors(config, kwargs, error, message):
     with pytest.raises(error, match=message):
-        packfn.hf_model_inputs(EXAMPLE, config, **kwargs)
+        hf_model_inputs(EXAMPLE, config, **kwargs)
 
 
 def test_flash_keys_and_dict_masks():
     qwen = model("qwen2", "sdpa")
-    flash = packfn.hf_model_inputs(EXAMPLE, qwen.config, attn_implementation="flash_attention_2")
+    flash = hf_model_inputs(EXAMPLE, qwen.config, attn_implementation="flash_attention_2")
     assert set(flash) == {"position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k"}
     assert flash["max_length_q"] == EXAMPLE.shape[1] and flash["cu_seq_lens_q"].dtype == torch.int32
-    masks = packfn.hf_model_inputs(EXAMPLE, qwen.config)["attention_mask"]
+    masks = hf_model_inputs(EXAMPLE, qwen.config)["attention_mask"]
     assert set(masks) == {"full_attention", "sliding_attention"}
     assert torch.equal(masks["full_attention"], packfn.block_causal_mask(EXAMPLE))
-    flex = packfn.hf_model_inputs(EXAMPLE, qwen.config, attn_implementation="flex_attention", block_size=16)
+    flex = hf_model_inputs(EXAMPLE, qwen.config, attn_implementation="flex_attention", block_size=16)
     assert all(isinstance(mask, BlockMask) for mask in flex["attention_mask"].values())
-    eager = packfn.hf_model_inputs(EXAMPLE, model("llama", "eager").config, dtype=torch.float64)["attention_mask"]
+    eager = hf_model_inputs(EXAMPLE, model("llama", "eager").config, dtype=torch.float64)["attention_mask"]
     assert eager.dtype == torch.float64
     assert torch.equal(eager == 0, packfn.block_causal_mask(EXAMPLE))

@@ -9,17 +9,11 @@ from __future__ import annotations
 import contextlib
 import io
 import re
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
-from scripts import hf_train  # noqa: E402
+import hf_train
 
 TINY = ["--batch", "2", "--sequence", "64", "--mean", "16", "--hidden", "32", "--heads", "2", "--layers", "1"]
 TINY_RUN = [*TINY, "--vocab", "64", "--steps", "3", "--rounds", "0"]

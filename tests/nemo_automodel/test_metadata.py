@@ -1,46 +1,36 @@
-"""Mask parsing: packfn's drop-ins against nemo_automodel 0.7.0, and the static ops' fill rules."""
+"""The metadata drop-ins against nemo_automodel 0.7.0: values, types, errors, and their exact CPU paths."""
 
 from __future__ import annotations
 
 import contextlib
-import re
 from unittest import mock
 
 import pytest
 import torch
-from assertions import assert_same, outcome
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from nemo_automodel.components.datasets import packing as upstream
 from nemo_automodel.components.models.common import packing as upstream_models
-from strategies import packing_masks
 
-import packfn
-from packfn._checks import cpu_nonzero
+import packfn.nemo_automodel as drop_ins
+from packfn._ops import varlen as varlen_ops
+from packfn._ops._cpu import numpy_views
+from packfn.nemo_automodel._exact import nonzero
+
+from tests.assertions import assert_same, assert_same_outcome, outcome
+from tests.strategies import EXAMPLE, INCONSISTENT, fits_dtype, packing_masks
 
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-EXAMPLE = torch.tensor([[1, 1, 2, 2, 2, 0], [1, 1, 1, 1, 0, 0]])
-
-
-def assert_same_outcome(ours, theirs) -> None:
-    assert ours[0] == theirs[0], (ours, theirs)
-    if ours[0] == "ok":
-        assert_same(ours[1], theirs[1])
-    else:
-        assert ours[1:] == theirs[1:]
 
 
 def static_path_on_cpu():
     """A context in which the drop-ins take the static path on the CPU too (NOTE [Exact sizes on the CPU])."""
-    return mock.patch("packfn.metadata.exact_on_cpu", lambda *tensors: False)
+    return mock.patch("packfn.nemo_automodel.metadata.exact_on_cpu", lambda *tensors: False)
 
 
-def fits_dtype(mask: torch.Tensor) -> bool:
-    """Whether every document length fits the mask's dtype (upstream wraps silently otherwise)."""
-    if mask.dtype == torch.bool:
-        return True
-    lengths = [(mask == value).sum().item() for value in mask.unique().tolist() if value]
-    return max(lengths, default=0) <= torch.iinfo(mask.dtype).max
+def without_numpy():
+    """A context in which packfn finds no NumPy (the bridge of packfn/_ops/_cpu.py returns None)."""
+    return mock.patch("packfn._ops._cpu.numpy", None)
 
 
 # ------------------------------------------------------------------ drop-ins
@@ -60,7 +50,7 @@ def masks_broken_or_not(draw) -> torch.Tensor:
 
 
 @pytest.mark.parametrize(
-    "dropin", [packfn.get_unpad_data, packfn.get_seqlens_in_batch, packfn.build_packed_sequence_metadata]
+    "dropin", [drop_ins.get_unpad_data, drop_ins.get_seqlens_in_batch, drop_ins.build_packed_sequence_metadata]
 )
 @SETTINGS
 @given(mask=masks_broken_or_not())
@@ -75,11 +65,11 @@ def test_exact_cpu_path_equals_the_static_path(dropin, mask):
 @pytest.mark.parametrize("with_numpy", [True, False])
 @SETTINGS
 @given(flags=st.lists(st.booleans(), max_size=200))
-def test_cpu_nonzero_is_torch_nonzero(with_numpy, flags):
+def test_exact_nonzero_is_torch_nonzero(with_numpy, flags):
     """The exact CPU paths' ``nonzero`` (NumPy's where installed) gives aten's positions, as int64."""
     tensor = torch.tensor(flags, dtype=torch.bool)
-    with contextlib.nullcontext() if with_numpy else mock.patch("packfn._checks.numpy", None):
-        positions = cpu_nonzero(tensor)
+    with contextlib.nullcontext() if with_numpy else without_numpy():
+        positions = nonzero(tensor)
     assert positions.dtype == torch.int64
     assert torch.equal(positions, tensor.nonzero().squeeze(1))
 
@@ -99,8 +89,8 @@ def test_flatten_exact_path_on_strided_inputs_and_without_numpy(with_numpy, mask
     expected = upstream_models.flatten_packed_sequence_metadata(*arguments, **keywords)
     if strided:  # the same values, column-major
         arguments = tuple(tensor.t().contiguous().t() for tensor in arguments)
-    with contextlib.nullcontext() if with_numpy else mock.patch("packfn._checks.numpy", None):
-        ours = packfn.flatten_packed_sequence_metadata(*arguments, **keywords)
+    with contextlib.nullcontext() if with_numpy else without_numpy():
+        ours = drop_ins.flatten_packed_sequence_metadata(*arguments, **keywords)
     assert_same(ours, expected)
     for tensor in (*arguments, *ours):  # NumPy pinned no storage
         tensor.resize_(tensor.numel() + 1)
@@ -111,7 +101,7 @@ def test_flatten_exact_path_on_strided_inputs_and_without_numpy(with_numpy, mask
 def test_get_unpad_data_matches_upstream(mask):
     assume(fits_dtype(mask))
     before = mask.clone()
-    assert_same_outcome(outcome(packfn.get_unpad_data, mask), outcome(upstream.get_unpad_data, mask))
+    assert_same_outcome(outcome(drop_ins.get_unpad_data, mask), outcome(upstream.get_unpad_data, mask))
     assert torch.equal(mask, before)
 
 
@@ -120,7 +110,7 @@ def test_get_unpad_data_matches_upstream(mask):
 def test_build_packed_sequence_metadata_matches_upstream(mask):
     assume(fits_dtype(mask))
     before = mask.clone()
-    ours = outcome(packfn.build_packed_sequence_metadata, mask)
+    ours = outcome(drop_ins.build_packed_sequence_metadata, mask)
     assert_same_outcome(ours, outcome(upstream.build_packed_sequence_metadata, mask))
     assert torch.equal(mask, before)
 
@@ -129,7 +119,7 @@ def test_build_packed_sequence_metadata_matches_upstream(mask):
 @given(packing_masks(dtypes=(torch.uint8, torch.int32, torch.int64)))
 def test_get_seqlens_in_batch_matches_upstream(mask):
     assume(fits_dtype(mask))
-    assert_same(packfn.get_seqlens_in_batch(mask), upstream.get_seqlens_in_batch(mask))
+    assert_same(drop_ins.get_seqlens_in_batch(mask), upstream.get_seqlens_in_batch(mask))
 
 
 @pytest.mark.parametrize("exact", [True, False], ids=["exact_cpu_path", "static_path"])
@@ -142,7 +132,7 @@ def test_flatten_packed_sequence_metadata_matches_upstream_on_batch_metadata(exa
     arguments = (metadata["packed_token_indices"], metadata["cu_seqlens"])
     keywords = {"batch_size": batch, "sequence_length": sequence}
     with contextlib.nullcontext() if exact else static_path_on_cpu():
-        ours = packfn.flatten_packed_sequence_metadata(*arguments, **keywords)
+        ours = drop_ins.flatten_packed_sequence_metadata(*arguments, **keywords)
     assert_same(ours, upstream_models.flatten_packed_sequence_metadata(*arguments, **keywords))
     # The flat result agrees with get_unpad_data's stream.
     indices, cu_seqlens, _ = upstream.get_unpad_data(mask)
@@ -155,7 +145,7 @@ def test_flatten_packed_sequence_metadata_accepts_flat_metadata(mask):
     assume(fits_dtype(mask) and mask.any())
     indices, cu_seqlens, _ = upstream.get_unpad_data(mask)
     keywords = {"batch_size": mask.shape[0], "sequence_length": mask.shape[1]}
-    ours = outcome(packfn.flatten_packed_sequence_metadata, indices.int(), cu_seqlens, **keywords)
+    ours = outcome(drop_ins.flatten_packed_sequence_metadata, indices.int(), cu_seqlens, **keywords)
     theirs = outcome(upstream_models.flatten_packed_sequence_metadata, indices.int(), cu_seqlens, **keywords)
     assert_same_outcome(ours, theirs)
 
@@ -182,7 +172,7 @@ def test_flatten_packed_sequence_metadata_rejects_what_upstream_rejects(exact, b
     shape_batch = data.draw(st.sampled_from([batch, batch + 1]))
     keywords = {"batch_size": shape_batch, "sequence_length": sequence}
     with contextlib.nullcontext() if exact else static_path_on_cpu():
-        ours = outcome(packfn.flatten_packed_sequence_metadata, indices, bounds, **keywords)
+        ours = outcome(drop_ins.flatten_packed_sequence_metadata, indices, bounds, **keywords)
     theirs = outcome(upstream_models.flatten_packed_sequence_metadata, indices, bounds, **keywords)
     assert_same_outcome(ours, theirs)
 
@@ -205,7 +195,7 @@ def test_flatten_packed_sequence_metadata_rejects_each_broken_rule(exact, name):
     indices, bounds = (torch.tensor(rows) for rows in BROKEN_BATCH_METADATA[name])
     keywords = {"batch_size": indices.shape[0], "sequence_length": indices.shape[1]}
     with contextlib.nullcontext() if exact else static_path_on_cpu():
-        ours = outcome(packfn.flatten_packed_sequence_metadata, indices, bounds.int(), **keywords)
+        ours = outcome(drop_ins.flatten_packed_sequence_metadata, indices, bounds.int(), **keywords)
     theirs = outcome(upstream_models.flatten_packed_sequence_metadata, indices, bounds.int(), **keywords)
     assert theirs[0] == "error"
     assert_same_outcome(ours, theirs)
@@ -217,7 +207,7 @@ def test_flatten_packed_sequence_metadata_flat_errors_match_upstream(bounds, tok
     indices = torch.arange(tokens)
     cu_seqlens = torch.tensor(bounds, dtype=torch.int32)
     keywords = {"batch_size": 1, "sequence_length": 8}
-    ours = outcome(packfn.flatten_packed_sequence_metadata, indices, cu_seqlens, **keywords)
+    ours = outcome(drop_ins.flatten_packed_sequence_metadata, indices, cu_seqlens, **keywords)
     theirs = outcome(upstream_models.flatten_packed_sequence_metadata, indices, cu_seqlens, **keywords)
     assert_same_outcome(ours, theirs)
 
@@ -242,18 +232,18 @@ EDGE_MASKS = {
 @pytest.mark.parametrize("name", sorted(EDGE_MASKS))
 def test_edge_masks_match_upstream(name):
     mask = EDGE_MASKS[name]
-    assert_same(packfn.get_unpad_data(mask), upstream.get_unpad_data(mask))
-    assert_same(packfn.build_packed_sequence_metadata(mask), upstream.build_packed_sequence_metadata(mask))
+    assert_same(drop_ins.get_unpad_data(mask), upstream.get_unpad_data(mask))
+    assert_same(drop_ins.build_packed_sequence_metadata(mask), upstream.build_packed_sequence_metadata(mask))
     if mask.dtype != torch.bool:
-        assert_same(packfn.get_seqlens_in_batch(mask), upstream.get_seqlens_in_batch(mask))
+        assert_same(drop_ins.get_seqlens_in_batch(mask), upstream.get_seqlens_in_batch(mask))
 
 
 def test_get_seqlens_in_batch_keeps_all_padding_empty():
     mask = torch.zeros(2, 4, dtype=torch.int32)
-    assert_same(packfn.get_seqlens_in_batch(mask), upstream.get_seqlens_in_batch(mask))
+    assert_same(drop_ins.get_seqlens_in_batch(mask), upstream.get_seqlens_in_batch(mask))
 
 
-@pytest.mark.parametrize("function", [packfn.get_unpad_data, packfn.build_packed_sequence_metadata])
+@pytest.mark.parametrize("function", [drop_ins.get_unpad_data, drop_ins.build_packed_sequence_metadata])
 @pytest.mark.parametrize(
     "mask",
     [torch.zeros(2, 3, dtype=torch.int64), torch.zeros(2, 0, dtype=torch.int64), torch.zeros(0, 3, dtype=torch.bool)],
@@ -264,7 +254,7 @@ def test_no_valid_token_message_matches_upstream(function, mask):
     assert_same_outcome(outcome(function, mask), outcome(upstream_function, mask))
 
 
-@pytest.mark.parametrize("function", [packfn.get_unpad_data, packfn.build_packed_sequence_metadata])
+@pytest.mark.parametrize("function", [drop_ins.get_unpad_data, drop_ins.build_packed_sequence_metadata])
 @pytest.mark.parametrize("shape", [(6,), (1, 2, 3)])
 def test_wrong_rank_message_matches_upstream(function, shape):
     mask = torch.ones(shape, dtype=torch.int64)
@@ -275,13 +265,7 @@ def test_wrong_rank_message_matches_upstream(function, shape):
 
 # ---------------------------------------------------- deliberate differences
 
-INCONSISTENT = {
-    "id_reappears_after_another": (torch.tensor([[1, 1, 2, 1]]), "must not decrease"),
-    "ids_out_of_order": (torch.tensor([[2, 2, 1, 0]]), "must not decrease"),
-    "negative_id": (torch.tensor([[1, -1, 0]]), "negative"),
-    "floating_mask": (torch.tensor([[1.0, 1.0, 0.0]]), "integer or bool"),
-}
-DROP_INS = [packfn.get_unpad_data, packfn.build_packed_sequence_metadata, packfn.get_seqlens_in_batch]
+DROP_INS = [drop_ins.get_unpad_data, drop_ins.build_packed_sequence_metadata, drop_ins.get_seqlens_in_batch]
 
 
 @pytest.mark.parametrize("name", sorted(INCONSISTENT))
@@ -296,7 +280,7 @@ def test_drop_ins_reject_masks_upstream_gets_wrong(name, function):
 
 def test_get_seqlens_in_batch_rejects_bool_mask():
     with pytest.raises(ValueError, match="bool mask"):
-        packfn.get_seqlens_in_batch(EXAMPLE > 0)
+        drop_ins.get_seqlens_in_batch(EXAMPLE > 0)
 
 
 def test_get_seqlens_in_batch_rejects_lengths_that_overflow_the_dtype():
@@ -304,115 +288,94 @@ def test_get_seqlens_in_batch_rejects_lengths_that_overflow_the_dtype():
     mask[0, -1] = 2  # more than one document: upstream's counting path, which wraps 299 to 43
     assert upstream.get_seqlens_in_batch(mask).tolist() == [299 % 256, 1]
     with pytest.raises(ValueError, match="does not fit"):
-        packfn.get_seqlens_in_batch(mask)
-
-
-@pytest.mark.parametrize("name", ["id_reappears_after_another", "ids_out_of_order", "negative_id"])
-@pytest.mark.parametrize("function", [packfn.varlen_metadata, packfn.batch_metadata])
-def test_static_ops_assert_on_inconsistent_masks(name, function):
-    mask, message = INCONSISTENT[name]
-    with pytest.raises(RuntimeError, match=message):
-        function(mask)
-
-
-@pytest.mark.parametrize("function", [packfn.varlen_metadata, packfn.batch_metadata])
-def test_static_ops_assert_when_a_row_exceeds_max_documents(function):
-    with pytest.raises(RuntimeError, match=re.escape("more documents than max_documents=1")):
-        function(EXAMPLE, max_documents=1)
-
-
-@pytest.mark.parametrize("function", [packfn.varlen_metadata, packfn.batch_metadata])
-@pytest.mark.parametrize(
-    ("mask", "keywords", "error", "message"),
-    [
-        (torch.ones(4, dtype=torch.int64), {}, ValueError, "shape"),
-        (torch.ones(2, 0, dtype=torch.int64), {}, ValueError, "empty"),
-        (torch.ones(2, 2), {}, ValueError, "integer or bool"),
-        (EXAMPLE, {"max_documents": 0}, ValueError, "positive"),
-        (EXAMPLE, {"max_documents": 2.0}, TypeError, "int"),
-        ([[1, 0]], {}, TypeError, "torch.Tensor"),
-    ],
-    ids=["rank_one", "empty", "floating", "zero_capacity", "float_capacity", "list"],
-)
-def test_static_ops_reject_bad_arguments(function, mask, keywords, error, message):
-    with pytest.raises(error, match=message):
-        function(mask, **keywords)
-
-
-@pytest.mark.parametrize(
-    ("indices", "bounds", "message"),
-    [
-        (EXAMPLE.clone(), torch.tensor([[1, 2, 5], [0, 4, -1]]), "start at zero"),
-        (torch.tensor([[0, 1, 2, -1]]), torch.tensor([[0, 2, 1, 3]]), "monotonic"),
-        (torch.tensor([[0, 1, 2, -1]]), torch.tensor([[0, -1, 3]]), "after a -1"),
-        (torch.tensor([[0, 1, 2, -1]]), torch.tensor([[0, 2, 4]]), "last boundary"),
-    ],
-    ids=["nonzero_start", "not_monotonic", "boundary_after_padding", "wrong_total"],
-)
-def test_flatten_metadata_asserts_on_malformed_metadata(indices, bounds, message):
-    with pytest.raises(RuntimeError, match=message):
-        packfn.flatten_metadata(indices, bounds)
-
-
-# ------------------------------------------------------------ static fills
-
-
-@SETTINGS
-@given(packing_masks(), st.integers(0, 3))
-def test_varlen_metadata_prefix_matches_upstream_and_tail_repeats_total(mask, extra_capacity):
-    assume(fits_dtype(mask) and mask.any())
-    indices, cu_seqlens, max_seqlen = upstream.get_unpad_data(mask)
-    documents, tokens = cu_seqlens.numel() - 1, indices.numel()
-    batch, sequence = mask.shape
-    per_row = max(1, max(len(packfn.get_unpad_data(row[None])[1]) - 1 if row.any() else 0 for row in mask))
-    capacity = per_row + extra_capacity
-    result = packfn.varlen_metadata(mask, max_documents=capacity)
-    assert result.cu_seqlens.shape == (batch * capacity + 1,) and result.cu_seqlens.dtype == torch.int32
-    assert torch.equal(result.cu_seqlens[: documents + 1], cu_seqlens)
-    assert (result.cu_seqlens[documents + 1 :] == tokens).all()
-    assert torch.equal(result.seqlens[:documents], (cu_seqlens[1:] - cu_seqlens[:-1]))
-    assert (result.seqlens[documents:] == 0).all()
-    assert torch.equal(result.indices[:tokens], indices)
-    padding = (~mask.bool()).flatten().nonzero().flatten()
-    assert torch.equal(result.indices[tokens:], padding)
-    assert result.max_seqlen.item() == max_seqlen and result.max_seqlen.shape == ()
-    assert result.num_tokens.item() == tokens and result.num_documents.item() == documents
-    assert result.max_seqlen_bound == sequence
-
-
-@SETTINGS
-@given(packing_masks())
-def test_batch_metadata_matches_upstream_up_to_its_width(mask):
-    assume(fits_dtype(mask) and mask.any())
-    expected = upstream.build_packed_sequence_metadata(mask)
-    result = packfn.batch_metadata(mask)
-    width = expected["cu_seqlens"].shape[1]
-    assert result.cu_seqlens.shape == (mask.shape[0], mask.shape[1] + 1)
-    common = min(width, result.cu_seqlens.shape[1])
-    assert torch.equal(result.cu_seqlens[:, :common], expected["cu_seqlens"][:, :common])
-    assert (result.cu_seqlens[:, common:] == -1).all()
-    assert torch.equal(result.packed_token_indices, expected["packed_token_indices"])
-    assert result.max_seqlen.item() == expected["max_seqlen"]
-    assert torch.equal(result.num_documents, ((result.cu_seqlens >= 0).sum(1) - 1))
-
-
-@SETTINGS
-@given(packing_masks())
-def test_flatten_metadata_equals_varlen_metadata(mask):
-    assume(fits_dtype(mask))
-    batch = packfn.batch_metadata(mask)
-    flat = packfn.flatten_metadata(batch.packed_token_indices, batch.cu_seqlens)
-    direct = packfn.varlen_metadata(mask)
-    for field in ("indices", "cu_seqlens", "seqlens", "max_seqlen", "num_tokens", "num_documents"):
-        assert torch.equal(getattr(flat, field), getattr(direct, field)), field
+        drop_ins.get_seqlens_in_batch(mask)
 
 
 def test_documented_example():
-    flat = packfn.varlen_metadata(EXAMPLE, max_documents=2)
-    assert flat.cu_seqlens.tolist() == [0, 2, 5, 9, 9]
-    assert flat.seqlens.tolist() == [2, 3, 4, 0]
-    assert flat.indices.tolist() == [0, 1, 2, 3, 4, 6, 7, 8, 9, 5, 10, 11]
-    assert packfn.batch_metadata(EXAMPLE, max_documents=2).cu_seqlens.tolist() == [[0, 2, 5], [0, 4, -1]]
-    indices, cu_seqlens, max_seqlen = packfn.get_unpad_data(EXAMPLE)
+    indices, cu_seqlens, max_seqlen = drop_ins.get_unpad_data(EXAMPLE)
     assert indices.tolist() == [0, 1, 2, 3, 4, 6, 7, 8, 9] and cu_seqlens.tolist() == [0, 2, 5, 9]
     assert max_seqlen == 4 and type(max_seqlen) is int
+
+
+# ------------------------------------------------------------ exact CPU paths
+# (NOTE [Exact sizes on the CPU] in packfn/nemo_automodel/metadata.py)
+
+
+def test_exact_cpu_path_follows_the_masks_device_not_the_default_device():
+    mask = torch.tensor([[1, 1, 2, 0], [1, 1, 1, 0]])
+    expected = drop_ins.build_packed_sequence_metadata(mask)
+    with torch.device("meta"):
+        got = drop_ins.build_packed_sequence_metadata(mask)
+    assert_same(got, expected)
+
+
+@pytest.mark.parametrize("mask", [[[1, 1, 2, 0, 5], [1, 1, 1, 0, 0]], [[1, 1, 2, 0, 0, 0]]], ids=["batch_2", "batch_1"])
+@pytest.mark.parametrize("exact", [True, False], ids=["exact_cpu_path", "static_path"])
+def test_build_packed_sequence_metadata_cu_seqlens_is_a_new_tensor_like_upstreams(exact, mask):
+    """Contiguous, with upstream's strides, and no larger buffer kept alive behind it (batch one included)."""
+    mask = torch.tensor(mask)
+    with mock.patch("packfn.nemo_automodel.metadata.exact_on_cpu", lambda *tensors: exact):
+        ours = drop_ins.build_packed_sequence_metadata(mask)
+    theirs = upstream.build_packed_sequence_metadata(mask)
+    assert ours["cu_seqlens"].stride() == theirs["cu_seqlens"].stride()
+    assert ours["cu_seqlens"].untyped_storage().nbytes() == ours["cu_seqlens"].nbytes
+    assert_same(ours, theirs)
+
+
+@pytest.mark.parametrize("with_numpy", [True, False])
+def test_get_unpad_data_indices_own_resizable_memory(with_numpy):
+    """The exact CPU path's positions (NumPy's) come back as a tensor that owns its memory, as aten's."""
+    mask = torch.tensor([[1, 1, 0, 2], [0, 3, 3, 0]])
+    with contextlib.nullcontext() if with_numpy else without_numpy():
+        indices, cu_seqlens, _ = drop_ins.get_unpad_data(mask)
+    indices.resize_(16)
+    cu_seqlens.resize_(16)
+
+
+def test_flatten_rejects_decreasing_uint8_boundaries_on_every_path():
+    """A decrease of uint8 boundaries wraps when subtracted; the rule compares them instead."""
+    indices, bounds = torch.tensor([[0, 1, 2]]), torch.tensor([[0, 5, 3]], dtype=torch.uint8)
+    keywords = {"batch_size": 1, "sequence_length": 3}
+    with pytest.raises(ValueError) as theirs:
+        upstream_models.flatten_packed_sequence_metadata(indices, bounds, **keywords)
+    for numpy in (contextlib.nullcontext(), without_numpy()):
+        with numpy, pytest.raises(ValueError) as ours:
+            drop_ins.flatten_packed_sequence_metadata(indices, bounds, **keywords)
+        assert str(ours.value) == str(theirs.value)
+
+
+@pytest.mark.parametrize("dtype", [torch.uint16, torch.uint32, torch.uint64])
+def test_flatten_of_wide_unsigned_metadata_does_what_upstream_does(dtype):
+    """NumPy takes uint16 and wider, aten's ops of the other paths (and upstream's) do not: all paths agree."""
+    indices, bounds = torch.tensor([[0, 1, 2, 3]]).to(dtype), torch.tensor([[0, 1, 4]])
+    keywords = {"batch_size": 1, "sequence_length": 4}
+    theirs = outcome(upstream_models.flatten_packed_sequence_metadata, indices, bounds, **keywords)
+    for numpy in (contextlib.nullcontext(), without_numpy()):
+        with numpy:
+            ours = outcome(drop_ins.flatten_packed_sequence_metadata, indices, bounds, **keywords)
+        assert ours[0] == theirs[0] == "error" and ours[1] is theirs[1]
+
+
+def test_cpu_paths_follow_the_inputs_device_not_the_default_device():
+    indices, bounds = torch.tensor([[0, 1, -1], [0, 1, 2]]), torch.tensor([[0, 2, -1], [0, 1, 3]], dtype=torch.int32)
+    ids = torch.tensor([[1, 1, 2], [3, 0, 0]])
+    keywords = {"batch_size": 2, "sequence_length": 3}
+
+    def both():
+        flat = drop_ins.flatten_packed_sequence_metadata(indices, bounds, **keywords)
+        return (*flat, *varlen_ops.physical_varlen_metadata_op(ids))
+
+    expected = both()
+    with torch.device("meta"):
+        got = both()
+    assert_same(got, expected)
+
+
+def test_flatten_error_traceback_holds_no_numpy_view_of_the_inputs():
+    """A view in a frame of the traceback would outlive a resize of the input it shows."""
+    indices, bounds = torch.tensor([[0, 1]]), torch.tensor([[0, 1]], dtype=torch.int32)
+    with pytest.raises(ValueError) as error:
+        drop_ins.flatten_packed_sequence_metadata(indices, bounds, batch_size=1, sequence_length=2)
+    frames = [entry.frame.f_locals for entry in error.traceback]
+    numpy_type = type(numpy_views(indices)[0])
+    assert not any(isinstance(value, numpy_type) for local in frames for value in local.values())

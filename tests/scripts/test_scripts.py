@@ -18,12 +18,10 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+import export as export_script
+import main_job
 
-from scripts import export as export_script  # noqa: E402
-from scripts import main_job  # noqa: E402
+REPO = Path(__file__).resolve().parents[2]
 
 TINY_MODEL = ["--batch", "2", "--sequence", "64", "--mean", "16", "--hidden", "32", "--heads", "2", "--layers", "1"]
 PROFILE_INSTALL = "pip install -e '.[profile]'"
@@ -66,9 +64,7 @@ def test_main_job_packs_under_the_packer_budget_not_the_worst_case(profiled):
     _, printed = profiled
     report = _report(printed)
     # sequence 64, alignment 16, 16 documents: the packer's budget is 64 columns, the worst case 304.
-    assert (
-        "max_documents=16, budget=64 aligned columns (without the packer: aligned_length(64, 16, 16) = 304)" in report
-    )
+    assert "max_documents=16, budget=64 aligned columns (without the packer: safe_budget(64, 16, 16) = 304)" in report
     fill = next(line for line in report.splitlines() if line.startswith("real tokens:"))
     assert 0 < float(fill.split()[2].rstrip("%")) <= 100
 
@@ -188,7 +184,7 @@ _TINY_BENCH = ["--sequences", "64", "--means", "16", "--repeats", "1", "--sample
 
 
 def test_bench_smoke_writes_rows_of_the_documented_shape(tmp_path, capsys):
-    from scripts import bench
+    import bench
 
     json_path, plot_path = tmp_path / "b.json", tmp_path / "b.png"
     argv = [*_TINY_BENCH, "--families", "metadata", "layout"]
@@ -223,7 +219,7 @@ class _FakeLibc:
 
 
 def test_bench_keep_freed_memory_sets_glibc_thresholds_and_records_them(tmp_path, monkeypatch):
-    from scripts import bench
+    import bench
 
     libc = _FakeLibc()
     monkeypatch.setattr(bench.ctypes, "CDLL", lambda name: libc if name == "libc.so.6" else None)
@@ -236,7 +232,7 @@ def test_bench_keep_freed_memory_sets_glibc_thresholds_and_records_them(tmp_path
 
 
 def test_bench_keep_freed_memory_says_when_it_cannot(monkeypatch, tmp_path, capsys):
-    from scripts import bench
+    import bench
 
     monkeypatch.setattr(bench.ctypes, "CDLL", lambda name: _FakeLibc(accept=0))
     with pytest.raises(RuntimeError, match="mallopt refused"):
@@ -262,7 +258,7 @@ def test_bench_keep_freed_memory_says_when_it_cannot(monkeypatch, tmp_path, caps
 # Touches a fresh 8 MiB malloc block twice and prints the page faults of the second time.
 _REUSE_FAULTS = """
 import ctypes, resource, sys
-from scripts.bench import keep_freed_memory
+from bench import keep_freed_memory
 if sys.argv[1] == "keep":
     keep_freed_memory()
 libc = ctypes.CDLL("libc.so.6")
@@ -290,7 +286,8 @@ def test_bench_keep_freed_memory_reuses_freed_blocks_without_page_faults():
 
     def faults(mode: str) -> int:
         command = [sys.executable, "-c", _REUSE_FAULTS, mode]
-        run = subprocess.run(command, cwd=REPO, check=True, timeout=120, capture_output=True, text=True)
+        # From scripts/, which Python puts first on sys.path for ``-c``, as pytest's pythonpath does here.
+        run = subprocess.run(command, cwd=REPO / "scripts", check=True, timeout=120, capture_output=True, text=True)
         return int(run.stdout.split()[-1])
 
     assert faults("keep") < 64
@@ -301,8 +298,8 @@ def test_bench_pack_bound_copies_the_packed_output():
     """``clone of the output`` copies what ``pack`` writes (the longer aligned rows), not its input."""
     import torch
 
-    from scripts.benchmarks import layout
-    from scripts.benchmarks.common import make_inputs
+    from benchmarks import layout
+    from benchmarks.common import make_inputs
 
     inputs = make_inputs(64, 16, batch=2, hidden=8)
     (bound,) = [case for case in layout.cases(inputs) if case.name == "pack vs clone"]
@@ -313,7 +310,7 @@ def test_bench_pack_bound_copies_the_packed_output():
 
 def test_gpu_check_walks_its_sections_on_the_cpu(tmp_path):
     """``scripts/gpu_check.py --device cpu``: the device check cannot rot between sessions lent a GPU."""
-    from scripts import gpu_check
+    import gpu_check
 
     json_path = tmp_path / "gpu_check.json"
     sizes = [
@@ -345,7 +342,7 @@ def test_gpu_check_walks_its_sections_on_the_cpu(tmp_path):
 def test_gpu_check_without_cuda_says_so(capsys, monkeypatch, tmp_path):
     import torch
 
-    from scripts import gpu_check
+    import gpu_check
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert gpu_check.main(["--json", str(tmp_path / "unused.json")]) == 2

@@ -1,0 +1,1 @@
+"""Tests of the integrations that stand on the core (:mod:`packfn.hf`, scripts/hf_train.py)."""

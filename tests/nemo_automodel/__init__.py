@@ -1,0 +1,1 @@
+"""Tests of the NeMo AutoModel drop-ins (:mod:`packfn.nemo_automodel`): upstream parity, exact CPU paths, tracing."""
