@@ -13,7 +13,7 @@ answer, with no recompile and no warning. The FX graph cache alone would
 notice, since Inductor receives the decomposed aten graph, but an
 AOTAutograd hit loads its compiled graph by the FX key it stored, so the
 decomposition is never looked at again. Both caches are on by default.
-tests/test_cache.py reproduces the stale hit with two processes.
+tests/core/test_cache.py reproduces the stale hit with two processes.
 
 The knob torch provides for breaking these caches is
 ``torch.compiler.config.cache_key_tag``: it enters the FX graph cache key

@@ -17,7 +17,7 @@ itself, but only when ``past_key_values`` is None. A config's default
 ``use_cache=True`` makes the model create a cache even in ``train()`` mode,
 so the detection is skipped and every token silently attends the earlier
 documents of its row. packfn passes the mask explicitly, so ``use_cache``
-does not matter (``tests/test_hf.py`` pins both facts).
+does not matter (``tests/integrations/test_hf.py`` pins both facts).
 """
 
 from __future__ import annotations

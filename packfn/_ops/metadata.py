@@ -183,7 +183,7 @@ def binary_search_slots(max_documents: int) -> bool:
 # search_running_sums takes none of them: one cumsum over the flattened rows
 # makes a sorted 1-D sequence in which row r's running sums are raised by
 # the total of the rows before it; each query is raised the same way, and
-# the scan's output is searched as it is. tests/test_fakes.py holds every
+# the scan's output is searched as it is. tests/core/test_fakes.py holds every
 # searchsorted in the ops' decompositions to a 1-D sequence that is not a
 # view.
 
@@ -276,7 +276,7 @@ def _varlen_from(parsed: _ParsedMask, batch: int, max_documents: int):
     seqlens = cu_seqlens[1:] - cu_seqlens[:-1]
     # The count as a reduction of its own, not the scan's last entry: Inductor
     # drops a clone of that entry and would return a 0-d view that keeps the
-    # whole [batch * sequence] scan alive (tests/core/test_storage.py).
+    # whole [batch * sequence] scan alive (tests/core/test_output_storage.py).
     return parsed.indices, cu_seqlens, seqlens, seqlens.max(), valid.sum(), num_documents, parsed.broken
 
 

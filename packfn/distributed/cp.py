@@ -431,11 +431,11 @@ def gather_sequence(
     Raises:
         TypeError: ``tensor`` is not a tensor (on that rank only: it has no
             device to send a descriptor from).
-        ValueError: fewer than two or more than eight axes on this rank
-            (after the descriptors, with ``check_shapes``).
         RuntimeError: (``check_shapes``, a sync-free assert on every rank)
             shards that differ in shape, dtype or ``requires_grad`` across
             ranks, or have fewer than two or more than eight axes on any rank.
+        ValueError: (without ``check_shapes``) fewer than two or more than
+            eight axes on this rank.
     """
     check_tensor(tensor, "tensor")
     if group is None or dist.get_world_size(group) == 1:
