@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import packfn
-from packfn import aligned_layout, aligned_length, batch_metadata, pack_documents, pack_stream, varlen_metadata
+from packfn import aligned_layout, batch_metadata, pack_documents, pack_stream, safe_budget, varlen_metadata
 from packfn import packer as packer_module
 from packfn.packer import PackedBatch, Piece
 
@@ -75,7 +75,7 @@ def assert_fits_the_static_ops(packed: PackedBatch, limits: Budgets) -> None:
         packed.seq_lens_padded,
         sequence_length=limits.sequence,
         alignment=limits.alignment,
-        length=packed.budget,
+        budget=packed.budget,
     )
     # The real tokens fit: packing token values into the aligned rows and back loses none of them.
     values = torch.arange(1, packed.batch * limits.sequence + 1).view(packed.batch, limits.sequence)
@@ -149,7 +149,7 @@ def assert_next_fit(packed: PackedBatch, limits: Budgets) -> None:
 @given(packing_inputs(split=False))
 def test_unsplit_batches_fit_the_static_budgets_and_keep_every_document_whole_in_order(case):
     limits, lengths = case
-    packed = pack_documents(lengths, **limits.kwargs())
+    packed = pack_documents(lengths, **limits.kwargs(), strategy="next_fit")
     assert_rows_within_budgets(packed, limits)
     assert_fits_the_static_ops(packed, limits)
     assert_next_fit(packed, limits)
@@ -158,14 +158,14 @@ def test_unsplit_batches_fit_the_static_budgets_and_keep_every_document_whole_in
     assert [group[0].length for group in grouped] == lengths
     assert all(group[0].offset == 0 for group in grouped)
     assert packed.num_tokens == sum(lengths)
-    assert packed.fill == sum(lengths) / (packed.batch * packed.budget)
+    assert packed.fill_ratio == sum(lengths) / (packed.batch * packed.budget)
 
 
 @HYPOTHESIS
 @given(packing_inputs(split=True))
 def test_split_batches_fit_and_cut_only_documents_an_empty_row_cannot_hold(case):
     limits, lengths = case
-    packed = pack_documents(lengths, **limits.kwargs(), split=True)
+    packed = pack_documents(lengths, **limits.kwargs(), split=True, strategy="next_fit")
     assert_rows_within_budgets(packed, limits)
     assert_fits_the_static_ops(packed, limits)
     assert_next_fit(packed, limits)
@@ -194,20 +194,23 @@ def test_gather_lays_out_each_documents_tokens_at_its_pieces(case, extra_rows):
     tokens = packed.gather(documents, padding=-1)
     assert tokens.shape == (packed.batch, limits.sequence) and tokens.dtype == torch.int64
     assert torch.equal(tokens == -1, packed.document_ids == 0)
-    laid_out = [
-        tokens[row, piece.column : piece.column + piece.length]
-        for row, pieces in enumerate(packed.rows)
-        for piece in pieces
-    ]
-    assert torch.equal(torch.cat(laid_out), torch.cat(documents))
+    for row, pieces in enumerate(packed.rows):
+        for piece in pieces:
+            laid_out = tokens[row, piece.column : piece.column + piece.length]
+            assert torch.equal(laid_out, documents[piece.document][piece.offset : piece.offset + piece.length])
+    assert sorted(tokens[tokens >= 0].tolist()) == sorted(torch.cat(documents).tolist())
 
 
 @HYPOTHESIS
 @given(packing_inputs(split=True), st.integers(1, 4), st.booleans())
 def test_a_stream_is_the_same_rows_cut_into_batches_of_one_shape(case, batch, drop_last):
     limits, lengths = case
-    whole = pack_documents(lengths, **limits.kwargs(), split=True)
-    batches = list(pack_stream(iter(lengths), batch=batch, **limits.kwargs(), split=True, drop_last=drop_last))
+    whole = pack_documents(lengths, **limits.kwargs(), split=True, strategy="next_fit")
+    batches = list(
+        pack_stream(
+            iter(lengths), batch=batch, **limits.kwargs(), split=True, drop_last=drop_last, strategy="next_fit", window=5
+        )
+    )
     full, rest = divmod(whole.batch, batch)
     assert len(batches) == full + (1 if rest and not drop_last else 0)
     rows = [row for packed in batches for row in packed.rows if row]
@@ -218,14 +221,16 @@ def test_a_stream_is_the_same_rows_cut_into_batches_of_one_shape(case, batch, dr
         assert packed.document_ids.shape == (batch, limits.sequence)
         assert_fits_the_static_ops(packed, limits)
     if batches:
-        padded = pack_documents(lengths, **limits.kwargs(), split=True, batch=max(whole.batch, len(batches) * batch))
+        padded = pack_documents(
+            lengths, **limits.kwargs(), split=True, batch=max(whole.batch, len(batches) * batch), strategy="next_fit"
+        )
         streamed = torch.cat([packed.document_ids for packed in batches])
         assert torch.equal(streamed, padded.document_ids[: streamed.shape[0]])
 
 
 def test_a_stream_is_read_lazily_and_indexes_documents_from_its_start():
     lengths = itertools.cycle([5, 3, 6, 2, 9])
-    stream = pack_stream(lengths, batch=2, sequence=16, alignment=4, max_documents=3)
+    stream = pack_stream(lengths, batch=2, sequence=16, alignment=4, max_documents=3, strategy="next_fit")
     first, second = next(stream), next(stream)
     assert [[piece.document for piece in row] for row in first.rows] == [[0, 1], [2, 3]]
     assert [[piece.document for piece in row] for row in second.rows] == [[4], [5, 6]]
@@ -236,7 +241,7 @@ def test_a_stream_is_read_lazily_and_indexes_documents_from_its_start():
 
 def test_the_default_budget_is_the_input_row_and_beats_the_worst_case():
     packed = pack_documents([100] * 20, sequence=512, alignment=16, max_documents=16)
-    assert packed.budget == 512 < aligned_length(512, 16, 16) == 752
+    assert packed.budget == 512 < safe_budget(512, 16, 16) == 752
     assert pack_documents([3], sequence=10, alignment=4, max_documents=2).budget == 12
     # Five 100-token documents (112 aligned columns each) would need 560 columns: a row holds four.
     assert [len(row) for row in packed.rows] == [4] * 5
@@ -250,7 +255,7 @@ def test_physical_spans_pad_each_document_to_the_multiple():
 
 
 def test_splitting_fills_the_row_a_long_document_starts_in():
-    packed = pack_documents([5, 40, 2], sequence=16, alignment=4, max_documents=4, split=True)
+    packed = pack_documents([5, 40, 2], sequence=16, alignment=4, max_documents=4, split=True, strategy="next_fit")
     assert packed.rows == (
         (Piece(0, 0, 5, 5, 0), Piece(1, 0, 8, 8, 5)),  # 8 aligned columns left after the first document
         (Piece(1, 8, 16, 16, 0),),
