@@ -756,6 +756,13 @@ def _plan(items: _Items, carried_row: torch.Tensor, budgets: _Budgets) -> _Plan:
 
 def _batch(plan: _Plan, items: _Items, selected: torch.Tensor | None, batch: int, budgets: _Budgets) -> PackedBatch:
     """The :class:`PackedBatch` of ``selected`` rows of a plan (all, in order, when None), padded to ``batch`` rows."""
+    return _batch_and_items(plan, items, selected, batch, budgets)[0]
+
+
+def _batch_and_items(
+    plan: _Plan, items: _Items, selected: torch.Tensor | None, batch: int, budgets: _Budgets
+) -> tuple[PackedBatch, torch.Tensor]:
+    """:func:`_batch`, and the item each of its pieces comes from (int64 ``[pieces]``)."""
     sequence, cap = budgets.sequence, budgets.max_documents
     if selected is None:
         keep = slice(None)
@@ -779,7 +786,7 @@ def _batch(plan: _Plan, items: _Items, selected: torch.Tensor | None, batch: int
     else:
         seq_lens_padded = torch.zeros(batch, cap, dtype=torch.int64)
         seq_lens_padded[row, slot] = span
-    return PackedBatch(
+    packed = PackedBatch(
         document_ids=document_ids(row, slot, column, length, batch, sequence),
         seq_lens=seq_lens,
         seq_lens_padded=seq_lens_padded,
@@ -791,6 +798,7 @@ def _batch(plan: _Plan, items: _Items, selected: torch.Tensor | None, batch: int
         closed_by=tuple(CLOSED_BY[code] for code in codes.tolist()),
         num_tokens=int(length.sum()),
     )
+    return packed, item
 
 
 def document_ids(
