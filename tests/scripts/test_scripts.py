@@ -66,9 +66,7 @@ def test_main_job_packs_under_the_packer_budget_not_the_worst_case(profiled):
     _, printed = profiled
     report = _report(printed)
     # sequence 64, alignment 16, 16 documents: the packer's budget is 64 columns, the worst case 304.
-    assert (
-        "max_documents=16, budget=64 aligned columns (without the packer: aligned_length(64, 16, 16) = 304)" in report
-    )
+    assert "max_documents=16, budget=64 aligned columns (without the packer: safe_budget(64, 16, 16) = 304)" in report
     fill = next(line for line in report.splitlines() if line.startswith("real tokens:"))
     assert 0 < float(fill.split()[2].rstrip("%")) <= 100
 
