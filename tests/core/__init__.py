@@ -1,0 +1,1 @@
+"""Tests of the sync-free core (:mod:`packfn`): static ops, layouts, masks, varlen inputs, formats, the packer."""
