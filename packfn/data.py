@@ -34,6 +34,7 @@ the number of batches the training loop consumed (workers take turns).
 
 from __future__ import annotations
 
+import array
 import itertools
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
@@ -87,6 +88,11 @@ class _Tokens(NamedTuple):
 
 def _token_tensor(values: object, index: int, name: str) -> torch.Tensor:
     """A 1-D int64 tensor of an example's ``name`` (``input_ids`` or ``labels``), or a clear error."""
+    if isinstance(values, list) and values and set(map(type, values)) == {int}:
+        try:  # plain ints: through a C array, several times faster than torch.as_tensor on a list
+            return torch.frombuffer(array.array("q", values), dtype=torch.int64)
+        except OverflowError:
+            pass
     try:
         tensor = torch.as_tensor(values)
     except (TypeError, ValueError, RuntimeError):
