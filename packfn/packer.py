@@ -115,6 +115,7 @@ DEFAULT_WINDOW_ROWS = 16
 """:func:`pack_stream`'s default window: documents enough to fill this many batches' rows (at least 1000)."""
 
 _SHIFT = 32  # a row key is room << _SHIFT | row
+_BALANCE_ABOVE = 1.005  # the cap-balanced pass runs when best fit needs more rows than this times the bound
 _ROW_MASK = (1 << _SHIFT) - 1
 
 
@@ -520,6 +521,18 @@ def _best_fit_one_budget(sizes: list[int], capacity: int, cap: int, rows: _Rows,
     return out
 
 
+def _fit(sizes: tuple[torch.Tensor, torch.Tensor, torch.Tensor], budgets: _Budgets, rows: _Rows) -> torch.Tensor:
+    """Best fit of pieces (lengths, aligned sizes, spans; in packing order) into ``rows``: the row of each."""
+    sequence, alignment, cap, budget, multiple = budgets[:5]
+    if alignment % multiple == 0 and budget <= sequence:
+        placed = _best_fit_one_budget(sizes[1].tolist(), budget, cap, rows, 0)  # aligned sizes imply spans
+    elif multiple % alignment == 0 and sequence <= budget:
+        placed = _best_fit_one_budget(sizes[2].tolist(), sequence, cap, rows, 1)  # spans imply aligned sizes
+    else:
+        placed = _best_fit(*(size.tolist() for size in sizes), budgets, rows)
+    return torch.tensor(placed, dtype=torch.int64).reshape(-1)
+
+
 def _balanced(
     sizes: tuple[torch.Tensor, torch.Tensor, torch.Tensor], budgets: _Budgets, start: _Rows
 ) -> tuple[torch.Tensor, int]:
@@ -564,10 +577,7 @@ def _balanced(
     rows = _Rows((budget - used_aligned).tolist(), (sequence - used_spans).tolist(), held.tolist())
     rest = torch.nonzero(~kept).reshape(-1)
     if rest.numel():
-        placed[rest] = torch.tensor(
-            _best_fit(length[rest].tolist(), aligned[rest].tolist(), spans[rest].tolist(), budgets, rows),
-            dtype=torch.int64,
-        )
+        placed[rest] = _fit((length[rest], aligned[rest], spans[rest]), budgets, rows)
     return placed, len(rows.counts)
 
 
@@ -575,14 +585,15 @@ def _balanced(
 # Best fit decreasing packs the long documents first and tightly, so the
 # short ones are left to the last rows, which then fill their document
 # slots long before their columns (exponential lengths of mean 300 in rows
-# of 4096 under max_documents=16: 27% more rows than the token bound). When
-# a best-fit pass closes a row at the cap while it still had room for the
-# window's shortest document, a second pass deals the pieces, longest
-# first, over as many rows as the budgets need (the most of the aligned,
-# span and document bounds) in boustrophedon order (0, 1, ..., R - 1,
-# R - 1, ..., 0, ...), so each row gets long and short pieces alike and
-# about the same count, and best-fits the pieces a row has no room for.
-# The pass with fewer rows wins (best fit on a tie).
+# of 4096 under max_documents=16: 27% more rows than the token bound). So
+# when a best-fit pass needs over 0.5% more rows than the bound (the most
+# of the aligned, span and document bounds) and closed a row at the cap
+# while it still had room for the window's shortest piece, a second pass
+# deals the pieces, longest first, over as many rows as that bound in
+# boustrophedon order (0, 1, ..., R - 1, R - 1, ..., 0, ...), so each row
+# gets long and short pieces alike and about the same count, keeps each
+# row's prefix that fits its budgets and best-fits the rest. The pass with
+# fewer rows wins (best fit on a tie).
 
 
 def _best_fit_rows(
@@ -604,28 +615,23 @@ def _best_fit_rows(
     order = torch.sort(piece_length[carried:], descending=True, stable=True).indices
     sizes = (piece_length[carried:][order], aligned[carried:][order], spans[carried:][order])
     rows = start.copy()
-    if multiple <= alignment and alignment % multiple == 0 and budget <= sequence:
-        placed = _best_fit_one_budget(sizes[1].tolist(), budget, cap, rows, 0)  # aligned sizes imply spans
-    elif multiple % alignment == 0 and sequence <= budget:
-        placed = _best_fit_one_budget(sizes[2].tolist(), sequence, cap, rows, 1)  # spans imply aligned sizes
-    else:
-        placed = _best_fit(*(size.tolist() for size in sizes), budgets, rows)
-    placed = torch.tensor(placed, dtype=torch.int64).reshape(-1)
+    placed = _fit(sizes, budgets, rows)
     count = len(rows.counts)
     if sizes[0].numel() and cap < sequence:
-        # Did the cap close a row that had room for the window's shortest piece?
-        row = torch.cat([carried_row, placed])
-        held = torch.bincount(row, minlength=count)
-        left = budget - torch.zeros(count, dtype=torch.int64).index_add_(
-            0, row, torch.cat([aligned[:carried], sizes[1]])
-        )
-        room = sequence - torch.zeros(count, dtype=torch.int64).index_add_(
-            0, row, torch.cat([spans[:carried], sizes[2]])
-        )
-        if bool(((held >= cap) & (torch.minimum(left, room // multiple * multiple) >= sizes[0][-1])).any()):
-            balanced, balanced_count = _balanced(sizes, budgets, start)
-            if balanced_count < count:
-                placed, count = balanced, balanced_count
+        # The fewest rows any packing needs: the aligned, span and document bounds.
+        pieces = piece_length.shape[0]
+        bound = max(cdiv(int(aligned.sum()), budget), cdiv(int(spans.sum()), sequence), cdiv(pieces, cap))
+        if count > bound * _BALANCE_ABOVE:
+            # Did the cap close a row that had room for the window's shortest piece?
+            row = torch.cat([carried_row, placed])
+            held = torch.bincount(row, minlength=count)
+            used = torch.zeros(count, dtype=torch.int64).index_add_(0, row, torch.cat([aligned[:carried], sizes[1]]))
+            taken = torch.zeros(count, dtype=torch.int64).index_add_(0, row, torch.cat([spans[:carried], sizes[2]]))
+            room = torch.minimum(budget - used, (sequence - taken) // multiple * multiple)
+            if bool(((held >= cap) & (room >= sizes[0][-1])).any()):
+                balanced, balanced_count = _balanced(sizes, budgets, start)
+                if balanced_count < count:
+                    placed, count = balanced, balanced_count
     row = torch.empty_like(piece_length)
     row[:carried] = carried_row
     row[carried:][order] = placed
