@@ -111,9 +111,6 @@ CLOSED_BY = ("tokens", "budget", "documents", "end")
 """
 _TOKENS, _BUDGET, _DOCUMENTS, _END = range(4)
 
-DEFAULT_WINDOW_ROWS = 16
-""":func:`pack_stream`'s default window: documents enough to fill this many batches' rows (at least 1000)."""
-
 _SHIFT = 32  # a row key is room << _SHIFT | row
 _BALANCE_ABOVE = 1.005  # the cap-balanced pass runs when best fit needs more rows than this times the bound
 _ROW_MASK = (1 << _SHIFT) - 1
@@ -260,8 +257,8 @@ class PackedBatch:
         Returns:
             ``dtype`` ``[batch, sequence]``: each piece's tokens at its
             columns, ``padding`` elsewhere. In the example of
-            :func:`pack_documents`, ``gather([[1, 2, 3, 4, 5], ...])[0, :5]``
-            is ``[1, 2, 3, 4, 5]``.
+            :func:`pack_documents`, ``gather([[1, 2, 3, 4], ...])[0, :4]``
+            is ``[1, 2, 3, 4]`` (document 0 opens row 0).
 
         Raises:
             ValueError: a document's token count is not the length it was
@@ -932,8 +929,10 @@ def pack_stream(
     from the window before; the fullest rows leave in whole batches and the
     rest (1 to ``batch`` rows) are carried into the next window, where they
     take more documents (NOTE [Windows and carried rows]). So every batch
-    has the same shapes, memory stays bounded, and a document leaves at most
-    two windows after it was read. With ``strategy="next_fit"`` the rows are
+    has the same shapes, memory stays bounded, and a carried row leaves with
+    the next window that packs more than a batch of rows (the one after it
+    was read, when windows hold more than a batch). With
+    ``strategy="next_fit"`` the rows are
     exactly those of :func:`pack_documents` over the whole stream, cut into
     batches in order.
 

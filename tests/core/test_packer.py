@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import doctest
 import itertools
-from typing import NamedTuple
 
 import pytest
 import torch
@@ -16,50 +15,9 @@ from packfn import aligned_layout, batch_metadata, pack_documents, pack_stream, 
 from packfn import packer as packer_module
 from packfn.packer import PackedBatch, Piece
 
+from tests.strategies_packer import Budgets, packing_inputs, round_up
+
 HYPOTHESIS = settings(max_examples=80, suppress_health_check=[HealthCheck.too_slow])
-
-
-def round_up(value: int, multiple: int) -> int:
-    return -(-value // multiple) * multiple
-
-
-class Budgets(NamedTuple):
-    sequence: int
-    alignment: int
-    max_documents: int
-    budget: int | None
-    pad_to_multiple_of: int
-
-    def kwargs(self) -> dict:
-        return dict(self._asdict())
-
-    @property
-    def resolved_budget(self) -> int:
-        return round_up(self.sequence, self.alignment) if self.budget is None else self.budget
-
-    @property
-    def longest_unsplit(self) -> int:
-        """The longest document an empty row holds (its span and its aligned size both fit)."""
-        return min(self.sequence // self.pad_to_multiple_of * self.pad_to_multiple_of, self.resolved_budget)
-
-
-@st.composite
-def budgets(draw) -> Budgets:
-    sequence = draw(st.integers(1, 96))
-    alignment = draw(st.sampled_from([1, 2, 3, 4, 8, 16, 32, 128]))
-    max_documents = draw(st.integers(1, 8))
-    budget = draw(st.one_of(st.none(), st.integers(1, 8).map(lambda blocks: blocks * alignment)))
-    multiple = draw(st.sampled_from([1, 1, 2, 3, 4, 8]).filter(lambda m: m <= sequence))
-    return Budgets(sequence, alignment, max_documents, budget, multiple)
-
-
-@st.composite
-def packing_inputs(draw, *, split: bool) -> tuple[Budgets, list[int]]:
-    """Budgets and lengths; without ``split`` every length fits an empty row (so packing never raises)."""
-    limits = draw(budgets())
-    longest = 3 * max(limits.sequence, limits.resolved_budget) if split else limits.longest_unsplit
-    lengths = draw(st.lists(st.integers(1, longest), min_size=1, max_size=24))
-    return limits, lengths
 
 
 def assert_fits_the_static_ops(packed: PackedBatch, limits: Budgets) -> None:
@@ -208,7 +166,13 @@ def test_a_stream_is_the_same_rows_cut_into_batches_of_one_shape(case, batch, dr
     whole = pack_documents(lengths, **limits.kwargs(), split=True, strategy="next_fit")
     batches = list(
         pack_stream(
-            iter(lengths), batch=batch, **limits.kwargs(), split=True, drop_last=drop_last, strategy="next_fit", window=5
+            iter(lengths),
+            batch=batch,
+            **limits.kwargs(),
+            split=True,
+            drop_last=drop_last,
+            strategy="next_fit",
+            window=5,
         )
     )
     full, rest = divmod(whole.batch, batch)
