@@ -329,8 +329,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=7, help="interleaved timing rounds (medians)")
     parser.add_argument("--max-documents", type=int, default=64, help="the cap of the timed packs")
     parser.add_argument("--json", type=Path, default=Path("bench_results") / "packer.json")
+    parser.add_argument(
+        "--threads", type=int, default=1, help="torch threads (1: a DataLoader worker's setting, the default)"
+    )
     arguments = parser.parse_args(argv)
-    torch.set_num_threads(1)  # a data-loader worker's setting (DataLoader workers run one thread each)
+    torch.set_num_threads(arguments.threads)
     streams = STREAMS[:2] if arguments.quick else STREAMS
     sequences = (4096,) if arguments.quick else SEQUENCES
     rounds = 3 if arguments.quick else arguments.rounds
@@ -346,7 +349,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name}: {why}")
     header = (
         f"packer bench: torch {torch.__version__}, {platform.platform()}, {platform.processor() or 'cpu'}, "
-        f"{time.strftime('%Y-%m-%d')}, 1 thread"
+        f"{time.strftime('%Y-%m-%d')}, {torch.get_num_threads()} torch threads"
     )
     print(header, flush=True)
     fills = fill_grid(streams, sequences, status)
