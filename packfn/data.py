@@ -616,15 +616,18 @@ class _Reader:
             flat_tokens, flat_labels = read.tokens, read.labels
         source = torch.tensor([starts[document] for document in documents], dtype=torch.int64) + carry.items.offset
         positions = token_positions(source, carry.items.length)
-        return flat_tokens[positions], None if flat_labels is None else flat_labels[positions]
+        labels = None if flat_labels is None else flat_labels.index_select(0, positions)
+        return flat_tokens.index_select(0, positions), labels
 
     def keep(self, packed: _Window, store) -> None:
         """Keep the tokens of the pieces carried into the next window."""
         tokens, labels, starts = store
-        item = packed.plan.item[packed.carried_pieces]
-        source = starts[item] + packed.plan.offset[packed.carried_pieces] - packed.items.offset[item]
-        positions = token_positions(source, packed.plan.length[packed.carried_pieces])
-        self.kept = (tokens[positions], None if labels is None else labels[positions])
+        carried = packed.carried_pieces
+        item = packed.plan.item.index_select(0, carried)
+        offset = packed.plan.offset.index_select(0, carried) - packed.items.offset.index_select(0, item)
+        positions = token_positions(starts.index_select(0, item) + offset, packed.plan.length.index_select(0, carried))
+        kept_labels = None if labels is None else labels.index_select(0, positions)
+        self.kept = (tokens.index_select(0, positions), kept_labels)
 
 
 class _PackedIterator:
@@ -687,21 +690,24 @@ def _tensors(packed: _Window, rows: torch.Tensor, store, dataset: PackedDataset)
     result, item = _batch_and_items(packed.plan, packed.items, rows, batch, budgets)
     tokens, labels, starts = store
     pieces = result.pieces
-    source = token_positions(starts[item] + pieces.offset - packed.items.offset[item], pieces.length)
+    # index_select / index_copy_, not advanced indexing: NOTE [No advanced indexing on the packing path] (packer.py)
+    offset = pieces.offset - packed.items.offset.index_select(0, item)
+    source = token_positions(starts.index_select(0, item) + offset, pieces.length)
     target = token_positions(pieces.row * sequence + pieces.column, pieces.length)
     input_ids = torch.full((batch * sequence,), dataset.padding_token_id, dtype=torch.int64)
-    input_ids[target] = tokens[source]
+    input_ids.index_copy_(0, target, tokens.index_select(0, source))
     label_row = torch.full((batch * sequence,), IGNORE_INDEX, dtype=torch.int64)
-    label_row[target] = (tokens if labels is None else labels)[source]
+    label_row.index_copy_(0, target, (tokens if labels is None else labels).index_select(0, source))
     input_ids, label_row = input_ids.view(batch, sequence), label_row.view(batch, sequence)
     document_ids = result.document_ids
     same = (document_ids[:, 1:] == document_ids[:, :-1]) & (document_ids[:, 1:] > 0)
     shift_labels = torch.full_like(label_row, IGNORE_INDEX)
     shift_labels[:, :-1] = torch.where(same, label_row[:, 1:], IGNORE_INDEX)
+    slots = pieces.row * cap + pieces.slot
     documents = torch.full((batch, cap), -1, dtype=torch.int64)
-    documents[pieces.row, pieces.slot] = pieces.document
+    documents.view(-1).index_copy_(0, slots, pieces.document)
     offsets = torch.zeros(batch, cap, dtype=torch.int64)
-    offsets[pieces.row, pieces.slot] = pieces.offset
+    offsets.view(-1).index_copy_(0, slots, pieces.offset)
     return {
         "input_ids": input_ids,
         "labels": label_row,

@@ -277,7 +277,9 @@ class PackedBatch:
             slices.append(tokens[offset : offset + length])
         out = torch.full((self.batch * self.sequence,), padding, dtype=dtype)
         if slices:
-            out[token_positions(pieces.row * self.sequence + pieces.column, pieces.length)] = torch.cat(slices)
+            out.index_copy_(
+                0, token_positions(pieces.row * self.sequence + pieces.column, pieces.length), torch.cat(slices)
+            )
         return out.view(self.batch, self.sequence)
 
 
@@ -418,9 +420,9 @@ def _split_items(items: _Items, budgets: _Budgets) -> tuple[torch.Tensor, torch.
         )
     pieces_per_item = torch.where(long, cdiv(items.length, longest), 1)
     item = torch.repeat_interleave(torch.arange(count), pieces_per_item)
-    within = torch.arange(item.shape[0]) - (torch.cumsum(pieces_per_item, 0) - pieces_per_item)[item]
-    length = torch.clamp(items.length[item] - within * longest, max=longest)
-    return item, items.offset[item] + within * longest, length
+    within = torch.arange(item.shape[0]) - (torch.cumsum(pieces_per_item, 0) - pieces_per_item).index_select(0, item)
+    length = torch.clamp(items.length.index_select(0, item) - within * longest, max=longest)
+    return item, items.offset.index_select(0, item) + within * longest, length
 
 
 class _Rows(NamedTuple):
@@ -559,23 +561,36 @@ def _balanced(
     dealt = torch.where(lap % 2 == 1, needed - 1 - at, at)
     row, order = torch.sort(dealt, stable=True)
     count = torch.bincount(row, minlength=needed)
-    first = (torch.cumsum(count, 0) - count)[row]
+    first = (torch.cumsum(count, 0) - count).index_select(0, row)
     within = torch.arange(pieces) - first
-    fits = within + 1 + held[row] <= cap
+    fits = within + 1 + held.index_select(0, row) <= cap
     for size, used, limit in ((aligned, used_aligned, budget), (spans, used_spans, sequence)):
-        total = torch.cumsum(size[order], 0)
-        fits &= total - (total - size[order])[first] + used[row] <= limit
-    placed = torch.full((pieces,), -1, dtype=torch.int64)
-    placed[order[fits]] = row[fits]
-    kept = placed >= 0
-    used_aligned.index_add_(0, placed[kept], aligned[kept])
-    used_spans.index_add_(0, placed[kept], spans[kept])
-    held.index_add_(0, placed[kept], torch.ones_like(placed[kept]))
+        dealt_sizes = size.index_select(0, order)
+        total = torch.cumsum(dealt_sizes, 0)
+        fits &= total - (total - dealt_sizes).index_select(0, first) + used.index_select(0, row) <= limit
+    placed = torch.full((pieces,), -1, dtype=torch.int64).index_copy_(0, order, torch.where(fits, row, -1))
+    kept = torch.nonzero(placed >= 0).reshape(-1)
+    into = placed.index_select(0, kept)
+    used_aligned.index_add_(0, into, aligned.index_select(0, kept))
+    used_spans.index_add_(0, into, spans.index_select(0, kept))
+    held.index_add_(0, into, torch.ones_like(into))
     rows = _Rows((budget - used_aligned).tolist(), (sequence - used_spans).tolist(), held.tolist())
-    rest = torch.nonzero(~kept).reshape(-1)
+    rest = torch.nonzero(placed < 0).reshape(-1)
     if rest.numel():
-        placed[rest] = _fit((length[rest], aligned[rest], spans[rest]), budgets, rows)
+        sizes = tuple(values.index_select(0, rest) for values in (length, aligned, spans))
+        placed.index_copy_(0, rest, _fit(sizes, budgets, rows))
     return placed, len(rows.counts)
+
+
+# NOTE [No advanced indexing on the packing path]
+# The packer and the loader gather and scatter with index_select, index_copy_,
+# index_add_ and gather, never with tensor[index] / tensor[index] = values
+# (aten::index, index_put_, take). On the CPU those split even a few
+# thousand elements across intra-op threads, and with the other core busy
+# (a data-loader worker beside a training step, or a shared machine) each
+# call waits for a thread to be scheduled: 12 ms instead of 15 us for 5,000
+# elements on a 2-core VM with torch 2.13 and 2 threads. The named ops run
+# on the calling thread at these sizes.
 
 
 # NOTE [When the cap binds]
@@ -610,7 +625,7 @@ def _best_fit_rows(
         torch.bincount(carried_row, minlength=carried_rows).tolist(),
     )
     order = torch.sort(piece_length[carried:], descending=True, stable=True).indices
-    sizes = (piece_length[carried:][order], aligned[carried:][order], spans[carried:][order])
+    sizes = tuple(values[carried:].index_select(0, order) for values in (piece_length, aligned, spans))
     rows = start.copy()
     placed = _fit(sizes, budgets, rows)
     count = len(rows.counts)
@@ -631,7 +646,7 @@ def _best_fit_rows(
                     placed, count = balanced, balanced_count
     row = torch.empty_like(piece_length)
     row[:carried] = carried_row
-    row[carried:][order] = placed
+    row[carried:].index_copy_(0, order, placed)
     return row, count
 
 
@@ -722,19 +737,19 @@ def _plan(items: _Items, carried_row: torch.Tensor, budgets: _Budgets) -> _Plan:
     pieces = row.shape[0]
     # Rows ordered by their first piece (rows a pass opened but left empty go last, and are dropped).
     first = torch.full((rows,), pieces, dtype=torch.int64).scatter_reduce_(0, row, torch.arange(pieces), "amin")
-    rank = torch.empty(rows, dtype=torch.int64)
-    rank[torch.argsort(first)] = torch.arange(rows)
+    by_first = torch.argsort(first)
+    rank = torch.empty(rows, dtype=torch.int64).index_copy_(0, by_first, torch.arange(rows))
     if closed is not None:
-        closed = closed[torch.argsort(rank)]
+        closed = closed.index_select(0, by_first)
     rows = int((first < pieces).sum())
-    row, order = torch.sort(rank[row], stable=True)
-    item, offset, length = item[order], offset[order], length[order]
+    row, order = torch.sort(rank.index_select(0, row), stable=True)
+    item, offset, length = (values.index_select(0, order) for values in (item, offset, length))
     count = torch.bincount(row, minlength=rows)
     starts = torch.cumsum(count, 0) - count
-    slot = torch.arange(pieces) - starts[row]
+    slot = torch.arange(pieces) - starts.index_select(0, row)
     span = round_up(length, multiple)
     before = torch.cumsum(span, 0) - span  # input columns of the pieces before each one
-    column = before - before[starts][row]
+    column = before - before.index_select(0, starts).index_select(0, row)
     used_span = torch.zeros(rows, dtype=torch.int64).index_add_(0, row, span)
     used_aligned = torch.zeros(rows, dtype=torch.int64).index_add_(0, row, round_up(length, alignment))
     at_cap = count >= cap
@@ -767,28 +782,28 @@ def _batch_and_items(
 ) -> tuple[PackedBatch, torch.Tensor]:
     """:func:`_batch`, and the item each of its pieces comes from (int64 ``[pieces]``)."""
     sequence, cap = budgets.sequence, budgets.max_documents
+    fields = (plan.slot, plan.item, plan.offset, plan.length, plan.span, plan.column)
     if selected is None:
-        keep = slice(None)
         row, closed = plan.row, plan.closed
-    else:
+    else:  # the pieces of the selected rows, renumbered in their order
         position = torch.full((plan.rows,), -1, dtype=torch.int64)
-        position[selected] = torch.arange(selected.shape[0])
-        new_row = position[plan.row]
+        position.index_copy_(0, selected, torch.arange(selected.shape[0]))
+        new_row = position.index_select(0, plan.row)
         keep = torch.argsort(torch.where(new_row >= 0, new_row, selected.shape[0]), stable=True)
-        keep = keep[: int(plan.count[selected].sum())]
-        row, closed = new_row[keep], plan.closed[selected]
-    slot, item, offset, length, span, column = (
-        field[keep] for field in (plan.slot, plan.item, plan.offset, plan.length, plan.span, plan.column)
-    )
+        keep = keep[: int(plan.count.index_select(0, selected).sum())]
+        row, closed = new_row.index_select(0, keep), plan.closed.index_select(0, selected)
+        fields = tuple(field.index_select(0, keep) for field in fields)
+    slot, item, offset, length, span, column = fields
     codes = torch.full((batch,), _END, dtype=torch.int64)
     codes[: closed.shape[0]] = closed
+    at = row * cap + slot
     seq_lens = torch.zeros(batch, cap, dtype=torch.int64)
-    seq_lens[row, slot] = length
+    seq_lens.view(-1).index_copy_(0, at, length)
     if budgets.multiple == 1:
         seq_lens_padded = seq_lens.clone()
     else:
         seq_lens_padded = torch.zeros(batch, cap, dtype=torch.int64)
-        seq_lens_padded[row, slot] = span
+        seq_lens_padded.view(-1).index_copy_(0, at, span)
     packed = PackedBatch(
         document_ids=document_ids(row, slot, column, length, batch, sequence),
         seq_lens=seq_lens,
@@ -797,7 +812,16 @@ def _batch_and_items(
         alignment=budgets.alignment,
         budget=budgets.budget,
         max_documents=cap,
-        pieces=Pieces(row, slot, items.document[item], offset, length, span, column, items.total[item]),
+        pieces=Pieces(
+            row,
+            slot,
+            items.document.index_select(0, item),
+            offset,
+            length,
+            span,
+            column,
+            items.total.index_select(0, item),
+        ),
         closed_by=tuple(CLOSED_BY[code] for code in codes.tolist()),
         num_tokens=int(length.sum()),
     )
@@ -1013,20 +1037,24 @@ def _pack_window(carry: _Carry, new: _Items, budgets: _Budgets, batch: int, fina
         sent, kept = torch.arange(leaving), torch.arange(leaving, rows)
     else:
         # Carried rows first, then the fullest, then by first piece (a stable sort on each key in turn).
-        order = torch.arange(rows)
-        order = order[torch.argsort(plan.fullness[order], descending=True, stable=True)]
-        order = order[torch.argsort(age[order], descending=True, stable=True)]
+        order = torch.argsort(plan.fullness, descending=True, stable=True)
+        order = order.index_select(0, torch.argsort(age.index_select(0, order), descending=True, stable=True))
         sent, kept = order[:leaving].sort().values, order[leaving:].sort().values
     batches = list(sent.split(batch)) if leaving else []
     # The carried rows' pieces, renumbered 0 .. kept - 1 in row order.
-    position = torch.full((rows,), -1, dtype=torch.int64)
-    position[kept] = torch.arange(kept.shape[0])
-    new_row = position[plan.row]
+    position = torch.full((rows,), -1, dtype=torch.int64).index_copy_(0, kept, torch.arange(kept.shape[0]))
+    new_row = position.index_select(0, plan.row)
     pieces = torch.nonzero(new_row >= 0).reshape(-1)
-    pieces = pieces[torch.argsort(new_row[pieces], stable=True)]
-    item = plan.item[pieces]
-    carried_items = _Items(items.document[item], plan.offset[pieces], plan.length[pieces], items.total[item])
-    return _Window(plan, items, batches, pieces, _Carry(carried_items, new_row[pieces], age[kept]))
+    pieces = pieces.index_select(0, torch.argsort(new_row.index_select(0, pieces), stable=True))
+    item = plan.item.index_select(0, pieces)
+    carried_items = _Items(
+        items.document.index_select(0, item),
+        plan.offset.index_select(0, pieces),
+        plan.length.index_select(0, pieces),
+        items.total.index_select(0, item),
+    )
+    carry = _Carry(carried_items, new_row.index_select(0, pieces), age.index_select(0, kept))
+    return _Window(plan, items, batches, pieces, carry)
 
 
 def _stream(lengths: Iterator, batch: int, budgets: _Budgets, drop_last: bool, window: int) -> Iterator[PackedBatch]:

@@ -50,6 +50,8 @@ import torch
 
 import packfn
 
+from packed_decoder import neat_packing
+
 DOCUMENTS = 20_000
 STREAMS = ("exponential 96", "exponential 300", "exponential 800", "chat mix")
 SEQUENCES = (512, 4096, 8192)
@@ -73,9 +75,10 @@ def stream_lengths(name: str, sequence: int, count: int = DOCUMENTS, seed: int =
 # ------------------------------------------------------------------ the packers
 
 
-def reference_bfd(sizes: list[int], capacity: int, cap: int | None) -> list[list[int]]:
-    """Best-fit decreasing, plainly: each size (longest first) into the open bin it fills most tightly."""
-    order = sorted(range(len(sizes)), key=lambda index: -sizes[index])
+def reference_bfd(lengths: list[int], alignment: int, capacity: int, cap: int | None) -> list[list[int]]:
+    """Best-fit decreasing on aligned sizes, plainly: each document (longest first) into its tightest bin."""
+    sizes = [round_up(length, alignment) for length in lengths]
+    order = sorted(range(len(sizes)), key=lambda index: (-lengths[index], index))
     rooms: list[tuple[int, int]] = []  # sorted (room, bin) of the bins that can take more
     bins: list[list[int]] = []
     for index in order:
@@ -105,20 +108,6 @@ def bare_best_fit(lengths: list[int], capacity: int) -> int:
         if room:
             bisect.insort(rooms, room)
     return bins
-
-
-def neat_packing():
-    """NeMo AutoModel's neat packing module (its package ``__init__`` needs Pillow; the module does not)."""
-    import importlib.util
-    import os
-
-    import nemo_automodel
-
-    path = os.path.join(os.path.dirname(nemo_automodel.__file__), "components", "datasets", "llm", "neat_packing.py")
-    spec = importlib.util.spec_from_file_location("nemo_automodel_neat_packing", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def trl_dataset(lengths: list[int]):
@@ -180,13 +169,13 @@ def fill(tokens: int, rows: int, sequence: int) -> float:
     return tokens / (rows * sequence)
 
 
-def fill_grid(streams, sequences, status) -> list[dict]:
+def fill_grid(streams, sequences, status, documents: int = DOCUMENTS) -> list[dict]:
     """Rows and fill of every packer on every configuration."""
     results = []
     neat = neat_packing() if status["nemo"] is None else None
     for stream in streams:
         for sequence in sequences:
-            lengths = stream_lengths(stream, sequence)
+            lengths = stream_lengths(stream, sequence, documents)
             tokens = sum(lengths)
             anchors = {}
             if neat is not None:
@@ -195,13 +184,12 @@ def fill_grid(streams, sequences, status) -> list[dict]:
                 anchors["trl"] = trl_rows(trl_dataset(lengths), sequence)
             for alignment in ALIGNMENTS:
                 budget = round_up(sequence, alignment)
-                sizes = [round_up(length, alignment) for length in lengths]
                 for cap in CAPS:
                     documents = sequence if cap is None else cap
                     kwargs = {"sequence": sequence, "alignment": alignment, "max_documents": documents}
                     best = packfn.pack_documents(lengths, **kwargs)
                     nxt = packfn.pack_documents(lengths, **kwargs, strategy="next_fit")
-                    reference = reference_bfd(sizes, budget, cap)
+                    reference = reference_bfd(lengths, alignment, budget, cap)
                     entry = {
                         "stream": stream,
                         "sequence": sequence,
@@ -251,13 +239,13 @@ def _median_time(functions: dict[str, Callable[[], object]], rounds: int) -> dic
     return {name: statistics.median(values) for name, values in seconds.items()}
 
 
-def time_grid(streams, sequences, status, rounds: int, cap: int) -> list[dict]:
+def time_grid(streams, sequences, status, rounds: int, cap: int, documents: int = DOCUMENTS) -> list[dict]:
     """Packing 20,000 documents: packfn (tensors included), next fit, the bare pass, one output write, the anchors."""
     results = []
     neat = neat_packing() if status["nemo"] is None else None
     for stream in streams:
         for sequence in sequences:
-            lengths = stream_lengths(stream, sequence)
+            lengths = stream_lengths(stream, sequence, documents)
             kwargs = {"sequence": sequence, "alignment": 1, "max_documents": cap}
             rows = packfn.pack_documents(lengths, **kwargs).batch
             functions: dict[str, Callable[[], object]] = {
@@ -325,9 +313,10 @@ def targets(fills: list[dict], times: list[dict]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="sequence 4096 only, two streams, 3 rounds")
+    parser.add_argument("--quick", action="store_true", help="sequence 4096 only, two streams, at most 3 rounds")
     parser.add_argument("--rounds", type=int, default=7, help="interleaved timing rounds (medians)")
     parser.add_argument("--max-documents", type=int, default=64, help="the cap of the timed packs")
+    parser.add_argument("--documents", type=int, default=DOCUMENTS, help="documents per stream")
     parser.add_argument("--json", type=Path, default=Path("bench_results") / "packer.json")
     parser.add_argument(
         "--threads", type=int, default=1, help="torch threads (1: a DataLoader worker's setting, the default)"
@@ -336,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(arguments.threads)
     streams = STREAMS[:2] if arguments.quick else STREAMS
     sequences = (4096,) if arguments.quick else SEQUENCES
-    rounds = 3 if arguments.quick else arguments.rounds
+    rounds = min(3, arguments.rounds) if arguments.quick else arguments.rounds
     try:
         import datasets
 
@@ -352,8 +341,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{time.strftime('%Y-%m-%d')}, {torch.get_num_threads()} torch threads"
     )
     print(header, flush=True)
-    fills = fill_grid(streams, sequences, status)
-    times = time_grid(streams, sequences, status, rounds, arguments.max_documents)
+    fills = fill_grid(streams, sequences, status, arguments.documents)
+    times = time_grid(streams, sequences, status, rounds, arguments.max_documents, arguments.documents)
     verdicts = targets(fills, times)
     print("\n".join(["== targets ==", *verdicts]))
     arguments.json.parent.mkdir(parents=True, exist_ok=True)
