@@ -171,13 +171,17 @@ def test_a_small_cap_shows_in_closed_by_and_suggest_budgets_proposes_one_that_do
     assert packed.batch == suggestion.rows and abs(suggestion.fill - packed.fill_ratio) < 1e-12
 
 
-def test_suggest_budgets_widens_the_budget_when_alignment_rounds_away_more_than_the_tolerance():
-    lengths = [20] * 512  # each takes 32 aligned columns at alignment 16: a 512-column row holds 16 of 25
-    suggestion = suggest_budgets(lengths, sequence=512, alignment=16)
-    assert suggestion.budget == 800 and suggestion.rows == suggestion.unlimited_rows == 21
-    assert pack_documents(lengths, sequence=512, alignment=16, max_documents=25, budget=800).batch == 21
+def test_suggest_budgets_widens_the_budget_only_when_its_rows_carry_more_tokens_per_column():
+    # 33-token documents take 64 aligned columns: a 96-column budget holds one per row (fill ratio 33 / 96), 128
+    # columns hold two (66 / 128); wider holds no third (its spans would pass the 96-column row).
+    suggestion = suggest_budgets([33] * 100, sequence=96, alignment=32)
+    assert (suggestion.budget, suggestion.rows, suggestion.max_documents) == (128, 50, 2)
+    # 20-token documents at alignment 16 in rows of 512: 16 a row at budget 512 (fill ratio 0.625); wider budgets
+    # hold more a row but carry fewer tokens per column (25 a row at 800: 0.61).
+    wide = suggest_budgets([20] * 512, sequence=512, alignment=16)
+    assert wide.budget == 512 and wide.rows == 32 and wide.unlimited_rows == 21
     with pytest.raises(ValueError, match="tolerance must be a number in"):
-        suggest_budgets(lengths, sequence=512, tolerance=1.0)
+        suggest_budgets([20], sequence=512, tolerance=1.0)
     with pytest.raises(ValueError, match="at least one length"):
         suggest_budgets([], sequence=512)
 
