@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from unittest import mock
 
@@ -16,6 +17,9 @@ from packfn import data as data_module
 from packfn.data import BATCH_KEYS, IGNORE_INDEX, PackedDataset
 
 from tests.strategies_packer import budgets, token_documents
+
+with contextlib.suppress(ImportError):  # imported at collection, before a test can take modules out of sys.modules
+    import datasets  # noqa: F401
 
 HYPOTHESIS = settings(max_examples=25, suppress_health_check=[HealthCheck.too_slow])
 SMALL = {"batch": 2, "sequence": 24, "max_documents": 4, "alignment": 4, "window": 7}

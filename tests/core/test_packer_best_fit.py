@@ -3,6 +3,7 @@ each row, windows over a stream, and the budgets it proposes."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 
@@ -17,6 +18,9 @@ from packfn.packer import CLOSED_BY, PackedBatch
 
 from tests.references_packer import best_fit_decreasing
 from tests.strategies_packer import Budgets, packing_inputs, round_up
+
+with contextlib.suppress(ImportError):  # imported at collection, before a test can take modules out of sys.modules
+    import datasets  # noqa: F401
 
 HYPOTHESIS = settings(max_examples=60, suppress_health_check=[HealthCheck.too_slow])
 
