@@ -10,7 +10,8 @@ to the host, and a compiled graph never specializes on a batch's contents.
 - varlen inputs (:mod:`packfn.varlen`): ``physical_varlen_metadata``, ``unpad``, ``pad``;
 - formats (:mod:`packfn.formats`): ``packed_position_ids``;
 - contracts (:mod:`packfn.contract`): ``packed_attention_inputs`` and the contract types;
-- the packer (:mod:`packfn.packer`): ``pack_documents``, ``pack_stream``;
+- the packer (:mod:`packfn.packer`): ``pack_documents``, ``pack_stream``, ``suggest_budgets``;
+- the loader (:mod:`packfn.data`): ``PackedDataset``;
 - distributed (:mod:`packfn.distributed`): ``shard_packed_batch`` and the local-query inputs of a rank.
 
 Integrations stand on the core: :mod:`packfn.hf` (transformers). The NeMo
@@ -27,6 +28,7 @@ from packfn.contract import (
     PackedSequenceContract,
     packed_attention_inputs,
 )
+from packfn.data import PackedDataset
 from packfn.distributed import (
     CPShard,
     CPVarlenMetadata,
@@ -41,20 +43,23 @@ from packfn.layout import PackedSequenceLayout, aligned_layout, safe_budget
 from packfn.layout import aligned_length as aligned_length  # deprecated, not in __all__
 from packfn.masks import block_causal_mask, document_block_mask, document_mask_mod
 from packfn.metadata import BatchMetadata, VarlenMetadata, batch_metadata, flatten_metadata, varlen_metadata
-from packfn.packer import PackedBatch, Piece, pack_documents, pack_stream
+from packfn.packer import BudgetSuggestion, PackedBatch, Piece, Pieces, pack_documents, pack_stream, suggest_budgets
 from packfn.varlen import PhysicalVarlenMetadata, pad, physical_varlen_metadata, unpad
 
 __all__ = [
     "DEFAULT_PACKED_SEQUENCE_CONTRACT",
     "BatchMetadata",
+    "BudgetSuggestion",
     "CPShard",
     "CPVarlenMetadata",
     "PackedBatch",
+    "PackedDataset",
     "PackedMaskType",
     "PackedSequenceContract",
     "PackedSequenceLayout",
     "PhysicalVarlenMetadata",
     "Piece",
+    "Pieces",
     "VarlenMetadata",
     "aligned_layout",
     "batch_metadata",
@@ -75,6 +80,7 @@ __all__ = [
     "safe_budget",
     "shard_packed_batch",
     "split_batch_metadata",
+    "suggest_budgets",
     "unpad",
     "varlen_metadata",
 ]

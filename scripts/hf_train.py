@@ -1,8 +1,10 @@
 """A tiny Hugging Face ``LlamaForCausalLM`` trained on packed batches three ways, each under ``torch.compile``.
 
-Batches come from packfn's packer (:func:`packfn.pack_stream`, alignment 1):
-documents of exponential lengths (a seeded stream, as in the main job) fill
-rows of ``--sequence`` tokens, at most ``--max-documents`` per row. The model
+Batches come from packfn's loader (:class:`packfn.data.PackedDataset`, best
+fit, alignment 1) over real tokens: the Python standard library's sources,
+tokenized by a BPE trained on the fly (``scripts/corpus.py``, nothing
+downloaded; ``--data exponential`` for random ids of exponential lengths),
+in rows of ``--sequence`` tokens, at most ``--max-documents`` per row. The model
 is built from a ``LlamaConfig`` with random weights (nothing is downloaded)
 and each way trains its own copy of the same initial model with AdamW, one
 step per batch, on the same batches:
@@ -54,6 +56,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import itertools
 import statistics
 import sys
 import time
@@ -66,7 +69,9 @@ from torch._dynamo.utils import counters
 
 import packfn
 import packfn.hf
+from packfn.data import PackedDataset
 
+from corpus import token_documents
 from main_job import CountingInductor
 from packed_decoder import document_lengths
 
@@ -98,38 +103,57 @@ class Step:
     num_documents: int
 
 
-def make_steps(arguments: argparse.Namespace) -> tuple[list[Step], int, int]:
-    """``arguments.steps`` batches packed by :func:`packfn.pack_stream`, and the static ``(rows, columns)`` of way 3.
+def _documents(arguments: argparse.Namespace) -> list[list[int]]:
+    """Enough documents for ``--steps`` batches: the standard library's sources (BPE) or random tokens."""
+    wanted = 2 * arguments.steps * arguments.batch * arguments.sequence
+    if arguments.data == "stdlib":
+        return token_documents(arguments.vocab, wanted)
+    generator = torch.Generator().manual_seed(10_000 + arguments.seed)
+    documents, total = [], 0
+    for length in document_lengths(arguments.mean, arguments.seed):
+        documents.append(torch.randint(1, arguments.vocab, (length,), generator=generator).tolist())
+        total += length
+        if total >= wanted:
+            return documents
+    raise AssertionError("unreachable: the stream is endless")
 
-    Document lengths are :func:`scripts.packed_decoder.document_lengths`
-    (exponential, mean ``--mean``, seed ``--seed``); a document longer than
-    a row is cut into pieces (``split=True``), each piece a document of its
-    own for every way. Token ids are drawn per document from ``[1, vocab)``.
+
+def make_steps(arguments: argparse.Namespace) -> tuple[list[Step], int, int]:
+    """``arguments.steps`` batches from :class:`packfn.data.PackedDataset`, and the static ``(rows, columns)`` of way 3.
+
+    Documents are the standard library's sources, tokenized by a BPE of
+    ``--vocab`` ids trained on them (``scripts/corpus.py``), or with
+    ``--data exponential`` random ids of exponential lengths (mean
+    ``--mean``, seed ``--seed``). The loader packs them at alignment 1, at
+    most ``--max-documents`` per row; a document longer than a row is cut
+    into pieces (``split=True``), each piece a document of its own for every way.
     """
-    stream = packfn.pack_stream(
-        document_lengths(arguments.mean, arguments.seed),
+    dataset = PackedDataset(
+        _documents(arguments),
         batch=arguments.batch,
         sequence=arguments.sequence,
-        alignment=1,
         max_documents=arguments.max_documents,
         split=True,
+        drop_last=True,
     )
-    generator = torch.Generator().manual_seed(10_000 + arguments.seed)
-    packed_batches, pieces_per_step = [], []
-    for packed in (next(stream) for _ in range(arguments.steps)):
-        tokens = {
-            index: torch.randint(1, arguments.vocab, (length,), generator=generator)
-            for index, length in sorted(packed.document_lengths.items())
-        }
-        packed_batches.append((packed, packed.gather(tokens)))
-        pieces_per_step.append(
-            [tokens[piece.document][piece.offset : piece.offset + piece.length] for row in packed.rows for piece in row]
-        )
+    packed_batches = list(itertools.islice(dataset, arguments.steps))
+    if len(packed_batches) < arguments.steps:
+        raise SystemExit(f"the documents fill only {len(packed_batches)} batches; ask for fewer --steps")
+    pieces_per_step = []
+    for item in packed_batches:
+        pieces = []
+        for tokens, lengths in zip(item["input_ids"], item["seq_lens"].tolist(), strict=True):
+            column = 0
+            for length in lengths:
+                if length > 0:
+                    pieces.append(tokens[column : column + length])
+                column += length
+        pieces_per_step.append(pieces)
     rows = max(len(pieces) for pieces in pieces_per_step)
     columns = max(len(piece) for pieces in pieces_per_step for piece in pieces)
     device = torch.device(arguments.device)
     steps = []
-    for (packed, input_ids), pieces in zip(packed_batches, pieces_per_step, strict=True):
+    for item, pieces in zip(packed_batches, pieces_per_step, strict=True):
         row_input_ids = torch.zeros(rows, columns, dtype=torch.int64)
         row_attention_mask = torch.ones(rows, columns, dtype=torch.int64)  # dummy rows: attention on
         row_labels = torch.full((rows, columns), IGNORE_INDEX, dtype=torch.int64)
@@ -140,12 +164,12 @@ def make_steps(arguments: argparse.Namespace) -> tuple[list[Step], int, int]:
             row_labels[row, :length] = piece
         steps.append(
             Step(
-                input_ids.to(device),
-                packed.document_ids.to(device),
+                item["input_ids"].to(device),
+                item["document_ids"].to(device),
                 row_input_ids.to(device),
                 row_attention_mask.to(device),
                 row_labels.to(device),
-                packed.num_tokens,
+                int(item["seq_lens"].sum()),
                 len(pieces),
             )
         )
@@ -371,6 +395,11 @@ class HFTrainReport:
         packed_area = steps * arguments.batch * arguments.sequence
         padded_area = steps * self.rows * self.columns
         steps_a_way = len(next(iter(self.ways.values())).seconds)
+        source = (
+            f"the standard library's sources, a BPE of {arguments.vocab} ids trained on them"
+            if arguments.data == "stdlib"
+            else f"random ids, exponential lengths of mean {arguments.mean}, seed {arguments.seed}"
+        )
 
         mode = (
             "training: forward, backward and AdamW (lr 1e-3) each step"
@@ -386,8 +415,8 @@ class HFTrainReport:
             f"torch {torch.__version__}, transformers {transformers.__version__}",
             f"mode:         {mode}; each way on its own copy of the same initial model",
             f"batches:      {steps} of {arguments.batch} x {arguments.sequence} tokens packed by "
-            f"packfn.pack_stream (alignment 1, max_documents {arguments.max_documents}), {self.documents} documents "
-            f"of exponential length (mean {arguments.mean}, seed {arguments.seed}); {1 + arguments.rounds} passes "
+            f"packfn.data.PackedDataset (best fit, alignment 1, max_documents {arguments.max_documents}), "
+            f"{self.documents} documents ({source}); {1 + arguments.rounds} passes "
             f"over them (1 + --rounds {arguments.rounds}): {steps_a_way} steps a way",
             f"real tokens:  {self.real_tokens / packed_area:.1%} of the packed budget ({self.real_tokens} of "
             f"{steps} x {arguments.batch} x {arguments.sequence}); "
@@ -427,7 +456,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--attn", choices=("sdpa", "flex_attention"), default="sdpa", help="attn_implementation")
     parser.add_argument("--batch", type=int, default=4, help="packed rows per batch")
     parser.add_argument("--sequence", type=int, default=256, help="tokens per packed row")
-    parser.add_argument("--mean", type=int, default=64, help="mean document length (exponential draw)")
+    parser.add_argument(
+        "--data",
+        choices=("stdlib", "exponential"),
+        default="stdlib",
+        help="documents: the standard library's sources, BPE-tokenized (vocabulary --vocab), or random ids of "
+        "exponential lengths (mean --mean)",
+    )
+    parser.add_argument("--mean", type=int, default=64, help="mean document length of --data exponential")
     parser.add_argument("--max-documents", type=int, default=16, help="the packer's cap of documents per row")
     parser.add_argument("--hidden", type=int, default=64)
     parser.add_argument("--layers", type=int, default=2)

@@ -35,6 +35,7 @@ tokens ``get_unpad_data`` selects.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -64,7 +65,10 @@ __all__ = [
     "document_lengths",
     "eager_block_causal_mask",
     "lengths_from_boundaries",
+    "loader_batches",
     "make_batches",
+    "neat_packing",
+    "neat_packing_batches",
     "packed_loss",
     "upstream_available",
     "upstream_loss",
@@ -303,29 +307,34 @@ def upstream_loss(
 
 @dataclass(frozen=True)
 class Batch:
-    """One training batch: ``[batch, sequence]`` token ids, document ids (0 at padding) and next-token labels."""
+    """One training batch: ``[batch, sequence]`` token ids, document ids (0 at padding) and next-token labels.
+
+    ``packed`` is the packer's record when :func:`packfn.pack_stream` made
+    the batch; batches from a loader or from upstream's packer carry their
+    ``[batch, D]`` lengths and real-token count instead.
+    """
 
     input_ids: torch.Tensor
     document_ids: torch.Tensor
     labels: torch.Tensor
-    packed: PackedBatch  # the packer's record: rows, seq_lens [batch, D], budget, real tokens
+    packed: PackedBatch | None = None  # the packer's record: rows, seq_lens [batch, D], budget, real tokens
+    lengths: torch.Tensor | None = None
+    tokens: int | None = None
 
     @property
     def seq_lens(self) -> torch.Tensor:
         """int64 ``[batch, D]`` document lengths, 0 for absent slots."""
-        return self.packed.seq_lens
+        return self.packed.seq_lens if self.packed is not None else self.lengths
 
     @property
     def num_tokens(self) -> int:
         """Real tokens of the batch."""
-        return self.packed.num_tokens
+        return self.packed.num_tokens if self.packed is not None else self.tokens
 
-    @property
-    def upstream_length(self) -> int:
+    def aligned_length(self, alignment: int) -> int:
         """The aligned row length upstream's ``packed_layout`` builds for this batch (its longest aligned row)."""
-        alignment = self.packed.alignment
-        longest = max(sum(-(-piece.length // alignment) * alignment for piece in row) for row in self.packed.rows)
-        return -(-max(longest, 1) // alignment) * alignment
+        aligned = (self.seq_lens.clamp_min(0) + alignment - 1) // alignment * alignment
+        return max(int(aligned.sum(-1).max()), alignment)
 
 
 def document_lengths(mean: int, seed: int) -> Iterator[int]:
@@ -426,3 +435,101 @@ def batches_and_config(arguments, steps: int) -> tuple[list[Batch], DecoderConfi
         attention=getattr(arguments, "attention", "sdpa"),
     )
     return batches, config
+
+
+# ------------------------------------------------------------------ whole pipelines on real tokens
+
+
+def loader_batches(
+    documents: list[list[int]],
+    *,
+    batch: int,
+    sequence: int,
+    alignment: int,
+    max_documents: int,
+    budget: int | None = None,
+    device: str | torch.device = "cpu",
+) -> list[Batch]:
+    """Every full batch :class:`packfn.data.PackedDataset` packs from ``documents`` (``split=True``, best fit).
+
+    Labels are the loader's ``shift_labels``: each token's next token in its
+    document (piece), ``IGNORE_INDEX`` at its last token and at padding.
+    """
+    from packfn.data import PackedDataset
+
+    dataset = PackedDataset(
+        documents,
+        batch=batch,
+        sequence=sequence,
+        alignment=alignment,
+        max_documents=max_documents,
+        budget=budget,
+        split=True,
+        drop_last=True,
+    )
+    return [
+        Batch(
+            item["input_ids"].to(device),
+            item["document_ids"].to(device),
+            item["shift_labels"].to(device),
+            lengths=item["seq_lens"].to(device),
+            tokens=int(item["seq_lens"].sum()),
+        )
+        for item in dataset
+    ]
+
+
+@functools.cache
+def neat_packing():
+    """NeMo AutoModel 0.7.0's ``datasets/llm/neat_packing.py`` module, loaded from its file.
+
+    Its package's ``__init__`` imports modules that need Pillow, which the
+    packing code itself does not; the module needs ``datasets`` (HF).
+    """
+    import importlib.util
+    import os
+
+    import nemo_automodel
+
+    path = os.path.join(os.path.dirname(nemo_automodel.__file__), "components", "datasets", "llm", "neat_packing.py")
+    spec = importlib.util.spec_from_file_location("nemo_automodel_neat_packing", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def neat_packing_batches(
+    documents: list[list[int]], *, batch: int, sequence: int, device: str | torch.device = "cpu"
+) -> list[Batch]:
+    """Every full batch NeMo AutoModel's neat packing makes of ``documents``, as its ``neat_pack_dataset`` does.
+
+    Its packer has no split, so a document longer than a row is first cut
+    into pieces of ``sequence`` tokens (what packfn's ``split=True`` cuts
+    too). Then ``greedy_knapsack`` bins the pieces (longest first, each
+    into the least-filled row that holds it) and ``_build_packed_sample``
+    lays out each row: tokens, next-token labels within the piece, the
+    1-based document-id ``attention_mask`` (0 at padding).
+    """
+    module = neat_packing()
+    samples = []
+    for ids in documents:
+        for start in range(0, len(ids), sequence):
+            piece = ids[start : start + sequence]
+            samples.append({"input_ids": piece, "labels": [*piece[1:], IGNORE_INDEX]})
+    bins = module.greedy_knapsack([len(sample["input_ids"]) for sample in samples], sequence)
+    packs = [module._build_packed_sample([samples[index] for index in row], sequence, 0) for row in bins]
+    result = []
+    for begin in range(0, len(packs) - batch + 1, batch):
+        rows = packs[begin : begin + batch]
+        document_ids = torch.stack([row["attention_mask"] for row in rows])
+        lengths = torch.nn.functional.one_hot(document_ids, int(document_ids.max()) + 1).sum(1)[:, 1:]
+        result.append(
+            Batch(
+                torch.stack([row["input_ids"] for row in rows]).to(device),
+                document_ids.to(device),
+                torch.stack([row["labels"] for row in rows]).to(device),
+                lengths=lengths.to(device),
+                tokens=int((document_ids > 0).sum()),
+            )
+        )
+    return result

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import sys
@@ -66,7 +67,9 @@ def upstream_pad_pack():
     )
     spec = importlib.util.spec_from_file_location("packfn_tests_upstream_packed_sequence", path)
     module = importlib.util.module_from_spec(spec)
-    with mock.patch.dict(sys.modules, stub):
+    # Patch only with a stub: patch.dict takes back every module imported inside it, datasets' too, and a second
+    # import of datasets then fails (pyarrow keeps its extension types registered).
+    with mock.patch.dict(sys.modules, stub) if stub else contextlib.nullcontext():
         spec.loader.exec_module(module)
     return module._tensorize_and_pad_pack
 

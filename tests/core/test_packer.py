@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import doctest
 import itertools
-from typing import NamedTuple
 
 import pytest
 import torch
@@ -16,50 +15,9 @@ from packfn import aligned_layout, batch_metadata, pack_documents, pack_stream, 
 from packfn import packer as packer_module
 from packfn.packer import PackedBatch, Piece
 
+from tests.strategies_packer import Budgets, packing_inputs, round_up
+
 HYPOTHESIS = settings(max_examples=80, suppress_health_check=[HealthCheck.too_slow])
-
-
-def round_up(value: int, multiple: int) -> int:
-    return -(-value // multiple) * multiple
-
-
-class Budgets(NamedTuple):
-    sequence: int
-    alignment: int
-    max_documents: int
-    budget: int | None
-    pad_to_multiple_of: int
-
-    def kwargs(self) -> dict:
-        return dict(self._asdict())
-
-    @property
-    def resolved_budget(self) -> int:
-        return round_up(self.sequence, self.alignment) if self.budget is None else self.budget
-
-    @property
-    def longest_unsplit(self) -> int:
-        """The longest document an empty row holds (its span and its aligned size both fit)."""
-        return min(self.sequence // self.pad_to_multiple_of * self.pad_to_multiple_of, self.resolved_budget)
-
-
-@st.composite
-def budgets(draw) -> Budgets:
-    sequence = draw(st.integers(1, 96))
-    alignment = draw(st.sampled_from([1, 2, 3, 4, 8, 16, 32, 128]))
-    max_documents = draw(st.integers(1, 8))
-    budget = draw(st.one_of(st.none(), st.integers(1, 8).map(lambda blocks: blocks * alignment)))
-    multiple = draw(st.sampled_from([1, 1, 2, 3, 4, 8]).filter(lambda m: m <= sequence))
-    return Budgets(sequence, alignment, max_documents, budget, multiple)
-
-
-@st.composite
-def packing_inputs(draw, *, split: bool) -> tuple[Budgets, list[int]]:
-    """Budgets and lengths; without ``split`` every length fits an empty row (so packing never raises)."""
-    limits = draw(budgets())
-    longest = 3 * max(limits.sequence, limits.resolved_budget) if split else limits.longest_unsplit
-    lengths = draw(st.lists(st.integers(1, longest), min_size=1, max_size=24))
-    return limits, lengths
 
 
 def assert_fits_the_static_ops(packed: PackedBatch, limits: Budgets) -> None:
@@ -149,7 +107,7 @@ def assert_next_fit(packed: PackedBatch, limits: Budgets) -> None:
 @given(packing_inputs(split=False))
 def test_unsplit_batches_fit_the_static_budgets_and_keep_every_document_whole_in_order(case):
     limits, lengths = case
-    packed = pack_documents(lengths, **limits.kwargs())
+    packed = pack_documents(lengths, **limits.kwargs(), strategy="next_fit")
     assert_rows_within_budgets(packed, limits)
     assert_fits_the_static_ops(packed, limits)
     assert_next_fit(packed, limits)
@@ -165,7 +123,7 @@ def test_unsplit_batches_fit_the_static_budgets_and_keep_every_document_whole_in
 @given(packing_inputs(split=True))
 def test_split_batches_fit_and_cut_only_documents_an_empty_row_cannot_hold(case):
     limits, lengths = case
-    packed = pack_documents(lengths, **limits.kwargs(), split=True)
+    packed = pack_documents(lengths, **limits.kwargs(), split=True, strategy="next_fit")
     assert_rows_within_budgets(packed, limits)
     assert_fits_the_static_ops(packed, limits)
     assert_next_fit(packed, limits)
@@ -194,20 +152,29 @@ def test_gather_lays_out_each_documents_tokens_at_its_pieces(case, extra_rows):
     tokens = packed.gather(documents, padding=-1)
     assert tokens.shape == (packed.batch, limits.sequence) and tokens.dtype == torch.int64
     assert torch.equal(tokens == -1, packed.document_ids == 0)
-    laid_out = [
-        tokens[row, piece.column : piece.column + piece.length]
-        for row, pieces in enumerate(packed.rows)
-        for piece in pieces
-    ]
-    assert torch.equal(torch.cat(laid_out), torch.cat(documents))
+    for row, pieces in enumerate(packed.rows):
+        for piece in pieces:
+            laid_out = tokens[row, piece.column : piece.column + piece.length]
+            assert torch.equal(laid_out, documents[piece.document][piece.offset : piece.offset + piece.length])
+    assert sorted(tokens[tokens >= 0].tolist()) == sorted(torch.cat(documents).tolist())
 
 
 @HYPOTHESIS
 @given(packing_inputs(split=True), st.integers(1, 4), st.booleans())
 def test_a_stream_is_the_same_rows_cut_into_batches_of_one_shape(case, batch, drop_last):
     limits, lengths = case
-    whole = pack_documents(lengths, **limits.kwargs(), split=True)
-    batches = list(pack_stream(iter(lengths), batch=batch, **limits.kwargs(), split=True, drop_last=drop_last))
+    whole = pack_documents(lengths, **limits.kwargs(), split=True, strategy="next_fit")
+    batches = list(
+        pack_stream(
+            iter(lengths),
+            batch=batch,
+            **limits.kwargs(),
+            split=True,
+            drop_last=drop_last,
+            strategy="next_fit",
+            window=5,
+        )
+    )
     full, rest = divmod(whole.batch, batch)
     assert len(batches) == full + (1 if rest and not drop_last else 0)
     rows = [row for packed in batches for row in packed.rows if row]
@@ -218,14 +185,16 @@ def test_a_stream_is_the_same_rows_cut_into_batches_of_one_shape(case, batch, dr
         assert packed.document_ids.shape == (batch, limits.sequence)
         assert_fits_the_static_ops(packed, limits)
     if batches:
-        padded = pack_documents(lengths, **limits.kwargs(), split=True, batch=max(whole.batch, len(batches) * batch))
+        padded = pack_documents(
+            lengths, **limits.kwargs(), split=True, batch=max(whole.batch, len(batches) * batch), strategy="next_fit"
+        )
         streamed = torch.cat([packed.document_ids for packed in batches])
         assert torch.equal(streamed, padded.document_ids[: streamed.shape[0]])
 
 
 def test_a_stream_is_read_lazily_and_indexes_documents_from_its_start():
     lengths = itertools.cycle([5, 3, 6, 2, 9])
-    stream = pack_stream(lengths, batch=2, sequence=16, alignment=4, max_documents=3)
+    stream = pack_stream(lengths, batch=2, sequence=16, alignment=4, max_documents=3, strategy="next_fit")
     first, second = next(stream), next(stream)
     assert [[piece.document for piece in row] for row in first.rows] == [[0, 1], [2, 3]]
     assert [[piece.document for piece in row] for row in second.rows] == [[4], [5, 6]]
@@ -250,7 +219,7 @@ def test_physical_spans_pad_each_document_to_the_multiple():
 
 
 def test_splitting_fills_the_row_a_long_document_starts_in():
-    packed = pack_documents([5, 40, 2], sequence=16, alignment=4, max_documents=4, split=True)
+    packed = pack_documents([5, 40, 2], sequence=16, alignment=4, max_documents=4, split=True, strategy="next_fit")
     assert packed.rows == (
         (Piece(0, 0, 5, 5, 0), Piece(1, 0, 8, 8, 5)),  # 8 aligned columns left after the first document
         (Piece(1, 8, 16, 16, 0),),

@@ -1,0 +1,738 @@
+"""A data loader of packed batches over tokenized examples (plain Python and ``torch.utils.data``, no ops).
+
+:class:`PackedDataset` is a ``torch.utils.data.IterableDataset`` whose items
+are whole batches with static shapes, packed by :mod:`packfn.packer` (best
+fit over a window of documents by default) under the static budgets, so
+every batch passes ``varlen_metadata(document_ids, max_documents=...)`` and
+``aligned_layout(seq_lens, seq_lens_padded, ..., budget=...)``. Wrap it in a
+``DataLoader(dataset, batch_size=None, num_workers=...)`` (it batches
+itself) or torchdata's ``StatefulDataLoader``.
+
+Examples are an HF ``datasets.Dataset`` with an ``input_ids`` column (and
+optionally ``labels`` and ``loss_mask``), a list of such dicts, a list of
+token lists (or 1-D integer tensors), or any re-iterable of those.
+
+NOTE [How the loader shards and resumes]
+Documents are split across data-parallel ranks and ``DataLoader`` workers
+by position: with ``shards = world * num_workers``, worker ``w`` of rank
+``r`` (shard ``r * num_workers + w``) takes documents ``shard, shard +
+shards, ...`` of the epoch's order (the examples in order, or a seeded
+permutation of them with ``shuffle=True``), so the shards' union is the
+dataset and no document is in two. Each shard packs its own documents a
+window at a time (NOTE [Windows and carried rows] in :mod:`packfn.packer`),
+deterministically. Its state is small: the position of its current window
+in its documents, how many batches of that window it has sent, and the
+rows it carried into the window (document, offset and length of their
+pieces, not their tokens). A restored shard reads the same window again,
+packs it the same way, skips the batches already sent and goes on, so the
+batches after a restore are exactly those an uninterrupted run sends.
+``state_dict()`` / ``load_state_dict()`` are the protocol torchdata's
+``StatefulDataLoader`` calls in each worker; with a plain ``DataLoader``,
+:meth:`PackedDataset.state_after` computes the state of every worker from
+the number of batches the training loop consumed (workers take turns).
+"""
+
+from __future__ import annotations
+
+import array
+import itertools
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import Any, NamedTuple
+
+import torch
+from torch.utils.data import IterableDataset, get_worker_info
+
+from packfn._checks import check_int, check_positive_int
+from packfn.packer import (
+    _batch_and_items,
+    _budgets,
+    _Carry,
+    _Items,
+    _pack_window,
+    _Window,
+    token_positions,
+)
+
+__all__ = ["BATCH_KEYS", "IGNORE_INDEX", "PackedDataset"]
+
+IGNORE_INDEX = -100
+"""The label of a token that takes no loss (padding, and tokens a ``loss_mask`` drops)."""
+
+BATCH_KEYS = (
+    "input_ids",
+    "labels",
+    "shift_labels",
+    "position_ids",
+    "document_ids",
+    "seq_lens",
+    "seq_lens_padded",
+    "documents",
+    "document_offsets",
+)
+"""The keys of every batch :class:`PackedDataset` yields (see its docstring)."""
+
+_STATE_VERSION = 1
+
+
+class _Tokens(NamedTuple):
+    """A window's documents: their indices, int64 ``[documents]`` lengths, and flat int64 tokens and labels."""
+
+    document: torch.Tensor
+    length: torch.Tensor
+    tokens: torch.Tensor | None  # None when only lengths were read
+    labels: torch.Tensor | None  # None when the labels are the tokens
+
+
+# ------------------------------------------------------------------ reading examples
+
+
+def _token_tensor(values: object, index: int, name: str) -> torch.Tensor:
+    """A 1-D int64 tensor of an example's ``name`` (``input_ids`` or ``labels``), or a clear error."""
+    if isinstance(values, list) and values and set(map(type, values)) == {int}:
+        try:  # plain ints: through a C array, several times faster than torch.as_tensor on a list
+            return torch.frombuffer(array.array("q", values), dtype=torch.int64)
+        except OverflowError:
+            pass
+    try:
+        tensor = torch.as_tensor(values)
+    except (TypeError, ValueError, RuntimeError):
+        raise TypeError(
+            f"example {index}: {name} must be a sequence of integer token ids, got {type(values).__name__}"
+        ) from None
+    if tensor.numel() == 0 and tensor.ndim == 1:
+        return tensor.to(torch.int64)  # an empty example: its caller names the problem
+    if tensor.dtype.is_floating_point or tensor.dtype.is_complex or tensor.dtype == torch.bool:
+        raise TypeError(f"example {index}: {name} must hold integer token ids, got dtype {tensor.dtype}")
+    if tensor.ndim != 1:
+        raise ValueError(f"example {index}: {name} must be 1-D, got shape {tuple(tensor.shape)}")
+    return tensor.to(torch.int64)
+
+
+def _decode(example: object, index: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(input_ids, labels or None)`` of one example: a mapping with ``input_ids`` or the token ids themselves."""
+    labels = loss_mask = None
+    if isinstance(example, Mapping):
+        if example.get("input_ids") is None:
+            raise ValueError(f"example {index} has no 'input_ids' (keys: {sorted(map(str, example))})")
+        tokens = _token_tensor(example["input_ids"], index, "input_ids")
+        if example.get("labels") is not None:
+            labels = _token_tensor(example["labels"], index, "labels")
+        if example.get("loss_mask") is not None:
+            loss_mask = torch.as_tensor(example["loss_mask"])
+    else:
+        token_like = isinstance(example, (Sequence, torch.Tensor)) or hasattr(example, "__array_interface__")
+        if isinstance(example, (str, bytes)) or not token_like:
+            raise TypeError(
+                f"example {index} must be a mapping with 'input_ids' or a sequence of token ids, "
+                f"got {type(example).__name__}"
+            )
+        tokens = _token_tensor(example, index, "input_ids")
+    if tokens.numel() == 0:
+        raise ValueError(f"example {index} is empty: a document needs at least one token")
+    for name, values in (("labels", labels), ("loss_mask", loss_mask)):
+        if values is not None and values.shape != tokens.shape:
+            raise ValueError(
+                f"example {index}: {name} must have as many entries as input_ids, "
+                f"got {tuple(values.shape)} and {tuple(tokens.shape)}"
+            )
+    if loss_mask is not None:
+        labels = (tokens if labels is None else labels).masked_fill(loss_mask == 0, IGNORE_INDEX)
+    return tokens, labels
+
+
+def _concatenate(
+    documents: list[int], decoded: list[tuple[torch.Tensor, torch.Tensor | None]], lengths_only: bool
+) -> _Tokens:
+    length = torch.tensor([tokens.shape[0] for tokens, _ in decoded], dtype=torch.int64)
+    if lengths_only:
+        return _Tokens(torch.tensor(documents, dtype=torch.int64), length, None, None)
+    tokens = torch.cat([tokens for tokens, _ in decoded]) if decoded else torch.zeros(0, dtype=torch.int64)
+    labels = None
+    if any(labels is not None for _, labels in decoded):
+        labels = torch.cat([tokens if labels is None else labels for tokens, labels in decoded])
+    return _Tokens(torch.tensor(documents, dtype=torch.int64), length, tokens, labels)
+
+
+class _Examples:
+    """The user's examples behind one interface: indexed reads (lists, HF datasets) or one pass (other iterables)."""
+
+    def __init__(self, examples: object) -> None:
+        self.examples = examples
+        self.arrow = None
+        if hasattr(examples, "column_names") and hasattr(examples, "with_format"):  # an HF datasets.Dataset
+            columns = list(examples.column_names)
+            if "input_ids" not in columns:
+                raise ValueError(f"the dataset has no 'input_ids' column (columns: {columns})")
+            kept = [name for name in ("input_ids", "labels", "loss_mask") if name in columns]
+            self.arrow = examples.select_columns(kept).with_format("arrow")
+            self.count: int | None = len(examples)
+        elif isinstance(examples, Sequence) and not isinstance(examples, (str, bytes)):
+            self.count = len(examples)
+        elif isinstance(examples, Iterable) and not isinstance(examples, (str, bytes)):
+            if iter(examples) is examples:
+                raise TypeError(
+                    "examples must be re-iterable (a list, a datasets.Dataset, or an object whose __iter__ starts "
+                    "over): a one-shot iterator cannot be split across workers, shuffled or resumed"
+                )
+            self.count = None
+        else:
+            raise TypeError(
+                "examples must be a datasets.Dataset, a sequence or a re-iterable of examples, "
+                f"got {type(examples).__name__}"
+            )
+
+    def read(self, documents: list[int], *, lengths_only: bool = False) -> _Tokens:
+        """The examples at ``documents`` (indexable examples only)."""
+        if self.arrow is not None:
+            return self._read_arrow(documents, lengths_only)
+        return _concatenate(documents, [_decode(self.examples[index], index) for index in documents], lengths_only)
+
+    def _read_arrow(self, documents: list[int], lengths_only: bool) -> _Tokens:
+        import pyarrow as pa
+        import pyarrow.compute as pc
+
+        table = self.arrow[documents] if documents else self.arrow[0:0]
+        columns = {name: table.column(name).combine_chunks() for name in table.column_names}
+        for name, column in columns.items():
+            if not (pa.types.is_list(column.type) or pa.types.is_large_list(column.type)):
+                raise TypeError(f"column {name!r} must hold lists of token ids, got {column.type}")
+            value_type = column.type.value_type
+            if name != "loss_mask" and not pa.types.is_integer(value_type):
+                raise TypeError(f"column {name!r} must hold integer token ids, got {value_type}")
+        ids = columns["input_ids"]
+        length = torch.from_numpy(
+            pc.list_value_length(ids).fill_null(0).to_numpy(zero_copy_only=False, writable=True)
+        ).long()
+        _check_lengths(documents, length, ids.is_null().to_numpy(zero_copy_only=False, writable=True))
+        if lengths_only:
+            return _Tokens(torch.tensor(documents, dtype=torch.int64), length, None, None)
+        flat = {
+            name: torch.from_numpy(column.flatten().to_numpy(zero_copy_only=False, writable=True))
+            for name, column in columns.items()
+        }
+        tokens = flat["input_ids"].to(torch.int64)
+        labels = flat["labels"].to(torch.int64) if "labels" in flat else None
+        for name in ("labels", "loss_mask"):
+            if name in columns:
+                counts = pc.list_value_length(columns[name]).fill_null(-1).to_numpy(zero_copy_only=False, writable=True)
+                wrong = torch.nonzero(torch.from_numpy(counts).long() != length).reshape(-1)
+                if wrong.numel():
+                    raise ValueError(
+                        f"example {documents[int(wrong[0])]}: {name} must have as many entries as input_ids"
+                    )
+        if "loss_mask" in flat:
+            labels = (tokens if labels is None else labels).masked_fill(flat["loss_mask"] == 0, IGNORE_INDEX)
+        return _Tokens(torch.tensor(documents, dtype=torch.int64), length, tokens, labels)
+
+    def stream(self) -> Iterator[tuple[int, object]]:
+        """``(index, example)`` over all examples in order."""
+        if self.count is None:
+            return enumerate(self.examples)
+        return ((index, self.examples[index]) for index in range(self.count))
+
+
+def _check_lengths(documents: list[int], length: torch.Tensor, null) -> None:
+    """Raise for an example with no ``input_ids`` (a null) or none at all (an empty list)."""
+    null = torch.as_tensor(null, dtype=torch.bool)
+    if bool(null.any()):
+        raise ValueError(f"example {documents[int(torch.nonzero(null)[0, 0])]} has no 'input_ids' (null)")
+    if bool((length == 0).any()):
+        raise ValueError(
+            f"example {documents[int(torch.nonzero(length == 0)[0, 0])]} is empty: a document needs at least one token"
+        )
+
+
+# ------------------------------------------------------------------ the dataset
+
+
+class _Shard(NamedTuple):
+    """Where an iterator runs: its index among ``count`` shards, and the key of its state (worker / workers)."""
+
+    index: int
+    count: int
+    key: str
+
+
+def _fresh_state() -> dict[str, Any]:
+    empty = _Carry.empty()
+    return {"position": 0, "emitted": 0, "finished": False, "carry": _carry_state(empty)}
+
+
+def _carry_state(carry: _Carry) -> dict[str, torch.Tensor]:
+    return {
+        "document": carry.items.document,
+        "offset": carry.items.offset,
+        "length": carry.items.length,
+        "total": carry.items.total,
+        "row": carry.row,
+        "age": carry.age,
+    }
+
+
+def _carry_from_state(state: Mapping[str, torch.Tensor]) -> _Carry:
+    return _Carry(
+        _Items(state["document"], state["offset"], state["length"], state["total"]), state["row"], state["age"]
+    )
+
+
+class PackedDataset(IterableDataset):
+    """An iterable dataset of packed batches with static shapes, sharded over workers and ranks, resumable.
+
+    Every item is a dict (:data:`BATCH_KEYS`), with ``B = batch``,
+    ``S = sequence``, ``D = max_documents``:
+
+    - ``input_ids`` int64 ``[B, S]``: the tokens, ``padding_token_id`` at padding;
+    - ``labels`` int64 ``[B, S]``: the examples' labels (or ``input_ids``),
+      ``-100`` where a ``loss_mask`` is 0 and at padding; unshifted, as
+      :func:`packfn.hf.hf_model_inputs` and transformers take them;
+    - ``shift_labels`` int64 ``[B, S]``: each token's target, the label of
+      the next token of its document (piece), ``-100`` at the last token
+      and at padding: the ``labels`` of :func:`packfn.shard_packed_batch`;
+    - ``position_ids`` int64 ``[B, S]``: positions restarting at every
+      document, as :func:`packfn.packed_position_ids` gives them;
+    - ``document_ids`` int64 ``[B, S]``: the packing format (1-based slot,
+      0 at padding) of :func:`packfn.varlen_metadata` and the masks;
+    - ``seq_lens``, ``seq_lens_padded`` int64 ``[B, D]``: real lengths and
+      physical spans per slot (0 when absent), for
+      :func:`packfn.aligned_layout` and :func:`packfn.shard_packed_batch`;
+    - ``documents``, ``document_offsets`` int64 ``[B, D]``: the index of
+      each slot's example and the first token of it the slot holds (-1 and
+      0 when absent), for logging and checks.
+
+    Args:
+        examples: An HF ``datasets.Dataset`` with an ``input_ids`` column
+            (and optional ``labels``, ``loss_mask``), a sequence of such
+            mappings or of token-id sequences, or a re-iterable of them.
+        batch: Rows per batch.
+        sequence: Tokens per row.
+        max_documents: Document cap per row (``D``).
+        alignment, budget, pad_to_multiple_of, split, strategy, window:
+            As :func:`packfn.pack_stream` (``alignment`` defaults to 1).
+        shuffle: Visit the examples in a seeded random order, new every
+            epoch (:meth:`set_epoch`); indexable examples only.
+        seed: Seed of that order.
+        rank, world: This data-parallel rank and the number of ranks.
+        drop_last: Drop each shard's last, partly filled batch.
+        padding_token_id: ``input_ids`` at padding.
+
+    Each shard (a worker of a rank) yields its own batches, so ranks may
+    yield a different number of batches per epoch.
+
+    Raises:
+        TypeError, ValueError: bad arguments, at construction; bad examples
+            (no ``input_ids``, non-integer tokens, an empty example, a
+            document longer than a row without ``split=True``) when read.
+    """
+
+    def __init__(
+        self,
+        examples: object,
+        *,
+        batch: int,
+        sequence: int,
+        max_documents: int,
+        alignment: int = 1,
+        budget: int | None = None,
+        pad_to_multiple_of: int = 1,
+        split: bool = False,
+        strategy: str = "best_fit",
+        window: int = 1000,
+        shuffle: bool = False,
+        seed: int = 0,
+        rank: int = 0,
+        world: int = 1,
+        drop_last: bool = False,
+        padding_token_id: int = 0,
+    ) -> None:
+        super().__init__()
+        self._budgets = _budgets(sequence, alignment, max_documents, budget, pad_to_multiple_of, split, strategy)
+        self.batch = check_positive_int(batch, "batch")
+        self.window = check_positive_int(window, "window")
+        self.world = check_positive_int(world, "world")
+        self.rank = check_int(rank, "rank", minimum=0)
+        if self.rank >= self.world:
+            raise ValueError(f"rank must be in [0, world={self.world}), got {self.rank}")
+        for name, value in (("shuffle", shuffle), ("drop_last", drop_last)):
+            if not isinstance(value, bool):
+                raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+        self.seed = check_int(seed, "seed")
+        self.padding_token_id = check_int(padding_token_id, "padding_token_id")
+        self.shuffle, self.drop_last = shuffle, drop_last
+        self._examples = _Examples(examples)
+        if shuffle and self._examples.count is None:
+            raise ValueError("shuffle=True needs indexable examples (a sequence or a datasets.Dataset)")
+        self.epoch = 0
+        self._states: dict[str, dict[str, Any]] = {}  # by shard key: the progress of the latest iterators
+        self._pending: dict[str, Any] | None = None  # a loaded state the next iterator starts from
+
+    # ---------------------------------------------------------------- settings and state
+
+    @property
+    def budget(self) -> int:
+        """The aligned row length every batch fits (pass it to :func:`packfn.aligned_layout`)."""
+        return self._budgets.budget
+
+    @property
+    def max_documents(self) -> int:
+        return self._budgets.max_documents
+
+    @property
+    def sequence(self) -> int:
+        return self._budgets.sequence
+
+    def settings(self) -> dict[str, Any]:
+        """What a state depends on: a state from a dataset with other settings does not load."""
+        budgets = self._budgets
+        return {
+            "batch": self.batch,
+            "sequence": budgets.sequence,
+            "alignment": budgets.alignment,
+            "max_documents": budgets.max_documents,
+            "budget": budgets.budget,
+            "pad_to_multiple_of": budgets.multiple,
+            "split": budgets.split,
+            "strategy": budgets.strategy,
+            "window": self.window,
+            "shuffle": self.shuffle,
+            "seed": self.seed,
+            "rank": self.rank,
+            "world": self.world,
+            "drop_last": self.drop_last,
+            "examples": self._examples.count,
+        }
+
+    def set_epoch(self, epoch: int) -> None:
+        """Start the next iteration at ``epoch`` (its order, with ``shuffle``), from its first document."""
+        self.epoch = check_int(epoch, "epoch", minimum=0)
+        self._states, self._pending = {}, None
+
+    def state_dict(self) -> dict[str, Any]:
+        """The progress of this dataset's shards: what :meth:`load_state_dict` resumes from.
+
+        In the process that iterates (``num_workers=0``, or inside a worker,
+        where torchdata's ``StatefulDataLoader`` calls it), it holds that
+        process's shard after the last batch it yielded.
+        """
+        return {
+            "version": _STATE_VERSION,
+            "settings": self.settings(),
+            "epoch": self.epoch,
+            "shards": dict(self._states),
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Resume the next iteration where ``state`` (from :meth:`state_dict` or :meth:`state_after`) left off.
+
+        Raises:
+            ValueError: a state of another version, or saved by a dataset
+                with other settings (each differing setting is named).
+        """
+        if not isinstance(state, Mapping) or state.get("version") != _STATE_VERSION:
+            raise ValueError(f"not a PackedDataset state_dict (version {_STATE_VERSION})")
+        differences = [
+            f"{name}={state['settings'].get(name)!r} there, {value!r} here"
+            for name, value in self.settings().items()
+            if state["settings"].get(name) != value
+        ]
+        if differences:
+            raise ValueError(
+                "the state_dict was saved by a PackedDataset with other settings: " + "; ".join(differences)
+            )
+        self.epoch = state["epoch"]
+        self._states = dict(state["shards"])
+        self._pending = {"shards": dict(state["shards"]), "rotation": state.get("rotation", 0)}
+
+    def state_after(self, batches: int, *, num_workers: int = 0) -> dict[str, Any]:
+        """The state of a plain ``DataLoader(self, batch_size=None, num_workers=...)`` after it yielded ``batches``.
+
+        A plain ``DataLoader`` takes a batch from each worker in turn (a
+        worker that runs out drops out of the turns), and its workers' state
+        never reaches the main process; this replays each worker's packing
+        (document lengths only, no batch is built) to find where each one
+        stands. Pass the result to :meth:`load_state_dict` of a fresh
+        dataset with the same settings, before wrapping it in a
+        ``DataLoader`` with the same ``num_workers``.
+        """
+        batches = check_int(batches, "batches", minimum=0)
+        num_workers = check_int(num_workers, "num_workers", minimum=0)
+        workers = max(num_workers, 1)
+        shards = [self._shard(worker, num_workers) for worker in range(workers)]
+
+        def sent(shard: _Shard) -> Iterator[dict[str, Any]]:
+            """The shard's state after each batch it sends."""
+            return (state for packed, _, _, state in self._windows(shard, None, True) if packed is not None)
+
+        totals = [sum(1 for _ in itertools.islice(sent(shard), batches)) for shard in shards]
+        taken = [0] * workers
+        for _, worker in zip(range(batches), _turns(totals), strict=False):
+            taken[worker] += 1
+        states = {}
+        for shard, count in zip(shards, taken, strict=True):
+            states[shard.key] = next(itertools.islice(sent(shard), count - 1, None)) if count else _fresh_state()
+        # A new DataLoader starts its turns at worker 0: rotate the shards so its worker 0 takes the one whose
+        # turn is next (the turns go round the same cycle), and the batches come in the uninterrupted order.
+        following = next(itertools.islice(_turns(totals), batches, None), 0) if batches else 0
+        return {
+            "version": _STATE_VERSION,
+            "settings": self.settings(),
+            "epoch": self.epoch,
+            "shards": states,
+            "rotation": following,
+        }
+
+    # ---------------------------------------------------------------- iteration
+
+    def _shard(self, worker: int, num_workers: int) -> _Shard:
+        workers = max(num_workers, 1)
+        return _Shard(self.rank * workers + worker, self.world * workers, f"{worker}/{workers}")
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        info = get_worker_info()
+        pending, self._pending = self._pending, None
+        if info is None:
+            shard = self._shard(0, 0)
+        else:
+            rotation = pending.get("rotation", 0) if pending is not None else 0
+            shard = self._shard((info.id + rotation) % info.num_workers, info.num_workers)
+        return _PackedIterator(self, shard, pending)
+
+    def _order(self) -> torch.Tensor:
+        count = self._examples.count
+        if not self.shuffle:
+            return torch.arange(count)
+        generator = torch.Generator().manual_seed((self.seed * 1_000_003 + self.epoch) % (2**63))
+        return torch.randperm(count, generator=generator)
+
+    def _windows(
+        self, shard: _Shard, state: Mapping[str, Any] | None, lengths_only: bool
+    ) -> Iterator[tuple[_Window, torch.Tensor, Any, dict[str, Any]]]:
+        """Each batch a shard sends, from ``state``: ``(window, its rows, the window's tokens, the state after it)``."""
+        state = dict(state or _fresh_state())
+        if state["finished"]:
+            return
+        reader = _Reader(self._examples, self, shard, state, lengths_only)
+        while True:
+            carry = _carry_from_state(state["carry"])
+            tokens, final = reader.window(state["position"], self.window)
+            new = _Items(tokens.document, torch.zeros_like(tokens.length), tokens.length, tokens.length)
+            packed = _pack_window(carry, new, self._budgets, self.batch, final)
+            store = None if lengths_only else reader.store(carry, tokens)
+            for index, rows in enumerate(packed.batches):
+                if index < state["emitted"]:
+                    continue
+                if rows.shape[0] < self.batch and self.drop_last:
+                    break
+                state = {**state, "emitted": index + 1}
+                yield packed, rows, store, state
+            if store is not None:
+                reader.keep(packed, store)
+            state = {
+                "position": state["position"] + tokens.document.shape[0],
+                "emitted": 0,
+                "finished": final,
+                "carry": _carry_state(packed.carry),
+            }
+            if final:
+                yield None, None, None, state  # the end: the state only
+                return
+
+
+def _turns(totals: list[int]) -> Iterator[int]:
+    """The worker each consumed batch comes from, when workers take turns and drop out when they run out."""
+    for turn in range(max(totals, default=0)):
+        for worker, total in enumerate(totals):
+            if turn < total:
+                yield worker
+
+
+class _Reader:
+    """Reads a shard's windows of documents, and the tokens of carried pieces a restored shard needs again."""
+
+    def __init__(self, examples: _Examples, dataset: PackedDataset, shard: _Shard, state, lengths_only: bool) -> None:
+        self.examples, self.shard, self.lengths_only = examples, shard, lengths_only
+        self.order = dataset._order()[shard.index :: shard.count] if examples.count is not None else None
+        self.stream = None
+        self.read = 0  # own documents read from the stream (non-indexable examples)
+        self.carried: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}  # carried documents' tokens
+        self.kept: tuple[torch.Tensor, torch.Tensor | None] | None = None  # carried pieces' tokens, in carry order
+        carry = state["carry"]
+        self.wanted = set(carry["document"].tolist())
+
+    def window(self, position: int, size: int) -> tuple[_Tokens, bool]:
+        if self.order is not None:
+            documents = self.order[position : position + size].tolist()
+            # As pack_stream: a window that reads fewer documents than its size is the last one.
+            return self.examples.read(documents, lengths_only=self.lengths_only), len(documents) < size
+        if self.stream is None:
+            self.stream = self._own()
+        while self.read < position:  # a restored shard: skip what was read before, keeping carried documents
+            next(self.stream)
+        chunk = list(itertools.islice(self.stream, size))
+        decoded = [_decode(example, index) for index, example in chunk]
+        return _concatenate([index for index, _ in chunk], decoded, self.lengths_only), len(chunk) < size
+
+    def _own(self) -> Iterator[tuple[int, object]]:
+        for index, example in self.examples.stream():
+            if index % self.shard.count != self.shard.index:
+                continue
+            if index in self.wanted and self.kept is None:
+                self.carried[index] = _decode(example, index)
+            self.read += 1
+            yield index, example
+
+    def store(self, carry: _Carry, tokens: _Tokens) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """Flat tokens and labels of the window's items (carried pieces first), and where each item starts."""
+        if self.kept is None:
+            self.kept = self._restore(carry)
+        kept_tokens, kept_labels = self.kept
+        all_tokens = torch.cat([kept_tokens, tokens.tokens])
+        labels = None
+        if kept_labels is not None or tokens.labels is not None:
+            labels = torch.cat(
+                [
+                    kept_tokens if kept_labels is None else kept_labels,
+                    tokens.tokens if tokens.labels is None else tokens.labels,
+                ]
+            )
+        lengths = torch.cat([carry.items.length, tokens.length])
+        return all_tokens, labels, torch.cumsum(lengths, 0) - lengths
+
+    def _restore(self, carry: _Carry) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The carried pieces' tokens of a restored shard, read again from their documents."""
+        documents = carry.items.document.tolist()
+        if not documents:
+            return torch.zeros(0, dtype=torch.int64), None
+        if self.order is not None:
+            read = self.examples.read(sorted(set(documents)))
+            starts = dict(
+                zip(read.document.tolist(), (torch.cumsum(read.length, 0) - read.length).tolist(), strict=True)
+            )
+            flat_tokens, flat_labels = read.tokens, read.labels
+        else:
+            unique = sorted(set(documents))
+            decoded = [self.carried[index] for index in unique]
+            read = _concatenate(unique, decoded, False)
+            starts = dict(zip(unique, (torch.cumsum(read.length, 0) - read.length).tolist(), strict=True))
+            flat_tokens, flat_labels = read.tokens, read.labels
+        source = torch.tensor([starts[document] for document in documents], dtype=torch.int64) + carry.items.offset
+        positions = token_positions(source, carry.items.length)
+        labels = None if flat_labels is None else flat_labels.index_select(0, positions)
+        return flat_tokens.index_select(0, positions), labels
+
+    def keep(self, packed: _Window, store) -> None:
+        """Keep the tokens of the pieces carried into the next window."""
+        tokens, labels, starts = store
+        carried = packed.carried_pieces
+        item = packed.plan.item.index_select(0, carried)
+        offset = packed.plan.offset.index_select(0, carried) - packed.items.offset.index_select(0, item)
+        positions = token_positions(starts.index_select(0, item) + offset, packed.plan.length.index_select(0, carried))
+        kept_labels = None if labels is None else labels.index_select(0, positions)
+        self.kept = (tokens.index_select(0, positions), kept_labels)
+
+
+class _PackedIterator:
+    """One shard's iterator: yields its batches; ``state_dict`` / ``load_state_dict`` as torchdata calls them."""
+
+    def __init__(self, dataset: PackedDataset, shard: _Shard, pending: Mapping[str, Any] | None) -> None:
+        self.dataset, self.shard = dataset, shard
+        self.resume: dict[str, Any] | None = None
+        self.batches: Iterator | None = None
+        if pending is not None:
+            self._resume_from(pending)
+        self.state = self.resume or _fresh_state()
+
+    def _resume_from(self, state: Mapping[str, Any]) -> None:
+        shards = state["shards"]
+        if not shards:
+            self.resume = None
+            return
+        if self.shard.key not in shards:
+            raise ValueError(
+                f"the state_dict holds the shards {sorted(shards)} (worker/workers), not {self.shard.key}: "
+                "resume with the number of DataLoader workers it was saved with"
+            )
+        self.resume = shards[self.shard.key]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "version": _STATE_VERSION,
+            "settings": self.dataset.settings(),
+            "epoch": self.dataset.epoch,
+            "shards": {self.shard.key: self.state},
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        if self.batches is not None:
+            raise RuntimeError("load_state_dict must come before the iterator's first batch")
+        self.dataset.load_state_dict(state)
+        self.dataset._pending = None
+        self._resume_from(state)
+        self.state = self.resume or _fresh_state()
+
+    def __iter__(self) -> _PackedIterator:
+        return self
+
+    def __next__(self) -> dict[str, torch.Tensor]:
+        if self.batches is None:
+            self.batches = self.dataset._windows(self.shard, self.resume, False)
+        while True:
+            packed, rows, store, state = next(self.batches)
+            self.state = state
+            self.dataset._states[self.shard.key] = state
+            if packed is not None:
+                return _tensors(packed, rows, store, self.dataset)
+
+
+def _tensors(packed: _Window, rows: torch.Tensor, store, dataset: PackedDataset) -> dict[str, torch.Tensor]:
+    """The batch dict of ``rows`` of a packed window (see :class:`PackedDataset`)."""
+    budgets, batch = dataset._budgets, dataset.batch
+    sequence, cap = budgets.sequence, budgets.max_documents
+    result, item = _batch_and_items(packed.plan, packed.items, rows, batch, budgets)
+    tokens, labels, starts = store
+    pieces = result.pieces
+    # index_select / index_copy_, not advanced indexing: NOTE [No advanced indexing on the packing path] (packer.py)
+    offset = pieces.offset - packed.items.offset.index_select(0, item)
+    source = token_positions(starts.index_select(0, item) + offset, pieces.length)
+    target = token_positions(pieces.row * sequence + pieces.column, pieces.length)
+    input_ids = torch.full((batch * sequence,), dataset.padding_token_id, dtype=torch.int64)
+    input_ids.index_copy_(0, target, tokens.index_select(0, source))
+    label_row = torch.full((batch * sequence,), IGNORE_INDEX, dtype=torch.int64)
+    label_row.index_copy_(0, target, (tokens if labels is None else labels).index_select(0, source))
+    input_ids, label_row = input_ids.view(batch, sequence), label_row.view(batch, sequence)
+    document_ids = result.document_ids
+    same = (document_ids[:, 1:] == document_ids[:, :-1]) & (document_ids[:, 1:] > 0)
+    shift_labels = torch.full_like(label_row, IGNORE_INDEX)
+    shift_labels[:, :-1] = torch.where(same, label_row[:, 1:], IGNORE_INDEX)
+    slots = pieces.row * cap + pieces.slot
+    documents = torch.full((batch, cap), -1, dtype=torch.int64)
+    documents.view(-1).index_copy_(0, slots, pieces.document)
+    offsets = torch.zeros(batch, cap, dtype=torch.int64)
+    offsets.view(-1).index_copy_(0, slots, pieces.offset)
+    return {
+        "input_ids": input_ids,
+        "labels": label_row,
+        "shift_labels": shift_labels,
+        "position_ids": _position_ids(pieces.row, pieces.column, batch, sequence),
+        "document_ids": document_ids,
+        "seq_lens": result.seq_lens,
+        "seq_lens_padded": result.seq_lens_padded,
+        "documents": documents,
+        "document_offsets": offsets,
+    }
+
+
+def _position_ids(row: torch.Tensor, column: torch.Tensor, batch: int, sequence: int) -> torch.Tensor:
+    """Positions that restart at each piece's first column, padding counting on (as ``packed_position_ids``)."""
+    # The start column of the piece each column follows, spread by a cumulative sum of the jumps between starts.
+    starts = torch.zeros(batch * sequence, dtype=torch.int64)
+    first = torch.ones_like(row, dtype=torch.bool)
+    first[1:] = row[1:] != row[:-1]
+    previous = torch.zeros_like(column)
+    previous[1:] = column[:-1]
+    jumps = torch.where(first, column, column - previous)
+    starts.index_add_(0, row * sequence + column, jumps)
+    # Each row starts over: take back the last start of the row before.
+    last = torch.zeros(batch, dtype=torch.int64).scatter_reduce_(0, row, column, "amax")
+    starts[sequence::sequence] -= last[:-1]
+    starts = torch.cumsum(starts, 0).view(batch, sequence)
+    return torch.arange(sequence, dtype=torch.int64) - starts

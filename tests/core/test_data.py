@@ -1,0 +1,328 @@
+"""The loader (packfn.data.PackedDataset): static budgets, conservation, determinism, sharding, resume, bad input."""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+from unittest import mock
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch.utils.data import DataLoader
+
+from packfn import aligned_layout, packed_position_ids, varlen_metadata
+from packfn import data as data_module
+from packfn.data import BATCH_KEYS, IGNORE_INDEX, PackedDataset
+
+from tests.strategies_packer import budgets, token_documents
+
+with contextlib.suppress(ImportError):  # imported at collection, before a test can take modules out of sys.modules
+    import datasets  # noqa: F401
+
+HYPOTHESIS = settings(max_examples=25, suppress_health_check=[HealthCheck.too_slow])
+SMALL = {"batch": 2, "sequence": 24, "max_documents": 4, "alignment": 4, "window": 7}
+
+
+def documents_for(draw, limits, split: bool, max_documents: int = 30) -> list[list[int]]:
+    longest = 3 * limits.sequence if split else limits.longest_unsplit
+    return draw(token_documents(longest=longest, max_documents=max_documents))
+
+
+@st.composite
+def loader_cases(draw) -> tuple[dict, list[list[int]]]:
+    """Keyword arguments of a PackedDataset and documents it can pack (split where one does not fit a row)."""
+    limits = draw(budgets(max_sequence=48))
+    split = draw(st.booleans())
+    documents = documents_for(draw, limits, split)
+    kwargs = {
+        **limits.kwargs(),
+        "batch": draw(st.integers(1, 3)),
+        "window": draw(st.integers(1, 12)),
+        "split": split,
+        "strategy": draw(st.sampled_from(["best_fit", "best_fit", "next_fit"])),
+    }
+    return kwargs, documents
+
+
+def pieces_of(batches: list[dict]) -> list[tuple[int, int, list[int]]]:
+    """``(document, offset, tokens)`` of every slot of every batch, in order."""
+    pieces = []
+    for batch in batches:
+        for row in range(batch["input_ids"].shape[0]):
+            column = 0
+            for slot in range(batch["seq_lens"].shape[1]):
+                document = int(batch["documents"][row, slot])
+                length, span = int(batch["seq_lens"][row, slot]), int(batch["seq_lens_padded"][row, slot])
+                if document >= 0:
+                    tokens = batch["input_ids"][row, column : column + length].tolist()
+                    pieces.append((document, int(batch["document_offsets"][row, slot]), tokens))
+                column += span
+    return pieces
+
+
+def assert_same_batches(first: list[dict], second: list[dict]) -> None:
+    assert len(first) == len(second)
+    for one, other in zip(first, second, strict=True):
+        assert one.keys() == other.keys()
+        for key in one:
+            assert torch.equal(one[key], other[key]), key
+
+
+def assert_conserved(batches: list[dict], documents: list[list[int]], shard: list[int] | None = None) -> None:
+    """Every document (of the shard) is there once, its pieces tiling it in order; nothing else is."""
+    pieces = sorted(pieces_of(batches))
+    wanted = range(len(documents)) if shard is None else shard
+    assert sorted({document for document, _, _ in pieces}) == sorted(wanted)
+    for document, group in itertools.groupby(pieces, key=lambda piece: piece[0]):
+        tokens = [token for _, _, piece in group for token in piece]  # sorted by offset within the document
+        assert tokens == documents[document]
+
+
+# ------------------------------------------------------------------ batches
+
+
+@HYPOTHESIS
+@given(loader_cases())
+def test_every_batch_fits_the_static_ops_and_carries_every_token_once(case):
+    kwargs, documents = case
+    dataset = PackedDataset(documents, **kwargs)
+    batches = list(dataset)
+    assert_conserved(batches, documents)
+    shape = (kwargs["batch"], kwargs["sequence"])
+    for batch in batches:
+        assert tuple(batch) == BATCH_KEYS
+        assert all(batch[key].dtype == torch.int64 for key in BATCH_KEYS)
+        assert batch["input_ids"].shape == batch["labels"].shape == batch["document_ids"].shape == shape
+        assert batch["seq_lens"].shape == (kwargs["batch"], kwargs["max_documents"])
+        varlen_metadata(batch["document_ids"], max_documents=kwargs["max_documents"])
+        aligned_layout(
+            batch["seq_lens"],
+            batch["seq_lens_padded"],
+            sequence_length=kwargs["sequence"],
+            alignment=kwargs["alignment"],
+            budget=dataset.budget,
+        )
+        padding = batch["document_ids"] == 0
+        assert (batch["input_ids"][padding] == 0).all() and (batch["input_ids"][~padding] > 0).all()
+        assert torch.equal(batch["labels"], batch["input_ids"].masked_fill(padding, IGNORE_INDEX))
+        assert torch.equal(batch["position_ids"], packed_position_ids(batch["document_ids"]))
+        # shift_labels: the next token of the same document piece.
+        same = (batch["document_ids"][:, 1:] == batch["document_ids"][:, :-1]) & ~padding[:, 1:]
+        assert torch.equal(batch["shift_labels"][:, :-1], torch.where(same, batch["labels"][:, 1:], IGNORE_INDEX))
+        assert (batch["shift_labels"][:, -1] == IGNORE_INDEX).all()
+
+
+def test_labels_and_loss_masks_follow_their_tokens():
+    examples = [
+        {"input_ids": [5, 6, 7], "loss_mask": [0, 1, 1]},
+        {"input_ids": [8, 9], "labels": [1, 2]},
+        {"input_ids": [3, 4], "labels": [11, 12], "loss_mask": [True, False]},
+    ]
+    batch = next(iter(PackedDataset(examples, batch=1, sequence=8, max_documents=4, strategy="next_fit")))
+    assert batch["input_ids"].tolist() == [[5, 6, 7, 8, 9, 3, 4, 0]]
+    assert batch["labels"].tolist() == [[-100, 6, 7, 1, 2, 11, -100, -100]]
+    assert batch["shift_labels"].tolist() == [[6, 7, -100, 2, -100, -100, -100, -100]]
+    assert batch["position_ids"].tolist() == [[0, 1, 2, 0, 1, 0, 1, 2]]
+    assert batch["documents"].tolist() == [[0, 1, 2, -1]]
+
+
+# ------------------------------------------------------------------ determinism and sharding
+
+
+@HYPOTHESIS
+@given(loader_cases(), st.integers(0, 3), st.integers(1, 3), st.integers(1, 3))
+def test_workers_and_ranks_split_the_documents_with_none_lost_or_seen_twice(case, seed, world, workers):
+    kwargs, documents = case
+    shuffle = len(documents) > 1
+    every = []
+    for rank in range(world):
+        for worker in range(workers):
+            dataset = PackedDataset(documents, **kwargs, shuffle=shuffle, seed=seed, rank=rank, world=world)
+            info = mock.Mock(id=worker, num_workers=workers)
+            with mock.patch.object(data_module, "get_worker_info", return_value=info):
+                batches = list(dataset)
+            again = PackedDataset(documents, **kwargs, shuffle=shuffle, seed=seed, rank=rank, world=world)
+            with mock.patch.object(data_module, "get_worker_info", return_value=info):
+                assert_same_batches(batches, list(again))  # deterministic for a seed
+            every.extend(batches)
+    assert_conserved(every, documents)  # the union is the dataset, with no overlap
+
+
+def test_a_seed_and_an_epoch_set_the_order():
+    documents = [[index + 1] * (1 + index % 5) for index in range(40)]
+    kwargs = {"batch": 2, "sequence": 8, "max_documents": 4, "shuffle": True}
+    first = list(PackedDataset(documents, **kwargs, seed=1))
+    assert_same_batches(first, list(PackedDataset(documents, **kwargs, seed=1)))
+    other = PackedDataset(documents, **kwargs, seed=1)
+    other.set_epoch(1)
+    assert pieces_of(list(other)) != pieces_of(first)
+    assert pieces_of(list(PackedDataset(documents, **kwargs, seed=2))) != pieces_of(first)
+
+
+def test_two_dataloader_workers_split_the_documents_and_a_plain_dataloader_resumes():
+    documents = [[index + 1] * (1 + index % 13) for index in range(120)]
+    uninterrupted = list(DataLoader(PackedDataset(documents, **SMALL), batch_size=None, num_workers=2))
+    assert_conserved(uninterrupted, documents)
+    for consumed in (3, 8):
+        state = PackedDataset(documents, **SMALL).state_after(consumed, num_workers=2)
+        restored = PackedDataset(documents, **SMALL)
+        restored.load_state_dict(state)
+        rest = list(DataLoader(restored, batch_size=None, num_workers=2))
+        assert_same_batches(uninterrupted[consumed:], rest)
+
+
+def test_statefuldataloader_resumes_inside_two_workers():
+    stateful = pytest.importorskip("torchdata.stateful_dataloader")
+    documents = [[index + 1] * (1 + index % 11) for index in range(100)]
+    uninterrupted = list(DataLoader(PackedDataset(documents, **SMALL), batch_size=None, num_workers=2))
+    loader = stateful.StatefulDataLoader(PackedDataset(documents, **SMALL), batch_size=None, num_workers=2)
+    iterator = iter(loader)
+    head = [next(iterator) for _ in range(5)]
+    state = loader.state_dict()
+    del iterator
+    restored = stateful.StatefulDataLoader(PackedDataset(documents, **SMALL), batch_size=None, num_workers=2)
+    restored.load_state_dict(state)
+    assert_same_batches(uninterrupted, head + list(restored))
+
+
+# ------------------------------------------------------------------ resume
+
+
+@HYPOTHESIS
+@given(loader_cases(), st.data())
+def test_a_restored_dataset_continues_exactly_where_the_state_was_taken(case, data):
+    kwargs, documents = case
+    uninterrupted = list(PackedDataset(documents, **kwargs))
+    stop = data.draw(st.integers(0, len(uninterrupted)))
+    dataset = PackedDataset(documents, **kwargs)
+    iterator = iter(dataset)
+    head = [next(iterator) for _ in range(stop)]
+    state = dataset.state_dict()
+    restored = PackedDataset(documents, **kwargs)
+    restored.load_state_dict(state)
+    assert_same_batches(uninterrupted, head + list(restored))
+    # The replayed state of a plain DataLoader is the same state.
+    replayed = PackedDataset(documents, **kwargs).state_after(stop)
+    again = PackedDataset(documents, **kwargs)
+    again.load_state_dict(replayed)
+    assert_same_batches(uninterrupted[stop:], list(again))
+
+
+def test_a_re_iterable_that_is_not_a_sequence_resumes_by_skipping():
+    documents = [[index + 1] * (1 + index % 7) for index in range(60)]
+
+    class Examples:
+        def __iter__(self):
+            return iter(documents)
+
+    uninterrupted = list(PackedDataset(Examples(), **SMALL))
+    assert_same_batches(uninterrupted, list(PackedDataset(documents, **SMALL)))
+    dataset = PackedDataset(Examples(), **SMALL)
+    iterator = iter(dataset)
+    head = [next(iterator) for _ in range(4)]
+    restored = PackedDataset(Examples(), **SMALL)
+    restored.load_state_dict(dataset.state_dict())
+    assert_same_batches(uninterrupted, head + list(restored))
+
+
+# ------------------------------------------------------------------ an HF dataset
+
+
+@settings(max_examples=10, suppress_health_check=[HealthCheck.too_slow])
+@given(token_documents(longest=20, max_documents=25), st.booleans())
+def test_an_hf_dataset_packs_as_the_same_examples_in_a_list(documents, with_labels):
+    datasets = pytest.importorskip("datasets")
+    columns = {"input_ids": documents}
+    if with_labels:
+        columns["labels"] = [[token % 7 for token in document] for document in documents]
+        columns["loss_mask"] = [[position % 2 for position in range(len(document))] for document in documents]
+    examples = [dict(zip(columns, values, strict=True)) for values in zip(*columns.values(), strict=True)]
+    kwargs = {"batch": 2, "sequence": 20, "max_documents": 5, "window": 6, "shuffle": True, "seed": 3}
+    from_hf = list(PackedDataset(datasets.Dataset.from_dict(columns), **kwargs))
+    assert_same_batches(list(PackedDataset(examples, **kwargs)), from_hf)
+
+
+# ------------------------------------------------------------------ bad input
+
+
+def _first(examples, **kwargs) -> dict:
+    return next(iter(PackedDataset(examples, **{"batch": 1, "sequence": 8, "max_documents": 4, **kwargs})))
+
+
+def test_an_example_without_input_ids_raises():
+    with pytest.raises(ValueError, match=r"example 1 has no 'input_ids' \(keys: \['text'\]\)"):
+        _first([{"input_ids": [1]}, {"text": "a"}])
+    datasets = pytest.importorskip("datasets")
+    with pytest.raises(ValueError, match=r"the dataset has no 'input_ids' column \(columns: \['text'\]\)"):
+        PackedDataset(datasets.Dataset.from_dict({"text": ["a"]}), batch=1, sequence=8, max_documents=4)
+    with pytest.raises(ValueError, match=r"example 1 has no 'input_ids' \(null\)"):
+        _first(datasets.Dataset.from_dict({"input_ids": [[1], None]}))
+
+
+def test_non_integer_tokens_raise():
+    with pytest.raises(TypeError, match=r"example 0: input_ids must hold integer token ids, got dtype torch.float32"):
+        _first([[1.5, 2.0]])
+    with pytest.raises(TypeError, match=r"example 0: input_ids must hold integer token ids, got dtype torch.bool"):
+        _first([[True, False]])
+    with pytest.raises(TypeError, match="example 0: input_ids must be a sequence of integer token ids"):
+        _first([["a", "b"]])
+    with pytest.raises(TypeError, match="example 0 must be a mapping with 'input_ids' or a sequence of token ids"):
+        _first(["text"])
+    datasets = pytest.importorskip("datasets")
+    with pytest.raises(TypeError, match="column 'input_ids' must hold integer token ids, got double"):
+        _first(datasets.Dataset.from_dict({"input_ids": [[1.0]]}))
+
+
+def test_an_empty_example_raises():
+    with pytest.raises(ValueError, match="example 1 is empty: a document needs at least one token"):
+        _first([[1], []])
+    datasets = pytest.importorskip("datasets")
+    with pytest.raises(ValueError, match="example 0 is empty"):
+        _first(datasets.Dataset.from_dict({"input_ids": [[], [1]]}))
+
+
+def test_a_document_longer_than_a_row_raises_without_split():
+    with pytest.raises(ValueError, match=r"document 1 of 9 tokens does not fit an empty row.*split=True"):
+        _first([[1], [2] * 9])
+    assert _first([[2] * 9], split=True)["seq_lens"].tolist() == [[8, 0, 0, 0]]
+
+
+def test_labels_of_another_length_raise():
+    with pytest.raises(ValueError, match="example 0: labels must have as many entries as input_ids"):
+        _first([{"input_ids": [1, 2], "labels": [1]}])
+
+
+def test_a_state_dict_from_a_loader_with_other_settings_raises():
+    documents = [[1, 2]] * 10
+    state = PackedDataset(documents, **SMALL).state_dict()
+    with pytest.raises(ValueError, match="other settings: batch=2 there, 3 here; max_documents=4 there, 5 here"):
+        PackedDataset(documents, **{**SMALL, "batch": 3, "max_documents": 5}).load_state_dict(state)
+    with pytest.raises(ValueError, match="examples=10 there, 11 here"):
+        PackedDataset([*documents, [3]], **SMALL).load_state_dict(state)
+    with pytest.raises(ValueError, match="not a PackedDataset state_dict"):
+        PackedDataset(documents, **SMALL).load_state_dict({"epoch": 0})
+    # A state saved with two workers does not load into a process without them.
+    two = PackedDataset(documents, **SMALL).state_after(3, num_workers=2)
+    dataset = PackedDataset(documents, **SMALL)
+    dataset.load_state_dict(two)
+    with pytest.raises(ValueError, match="resume with the number of DataLoader workers it was saved with"):
+        iter(dataset)
+
+
+def test_bad_arguments_raise_at_construction():
+    with pytest.raises(TypeError, match="a one-shot iterator cannot be split across workers"):
+        PackedDataset(iter([[1]]), batch=1, sequence=8, max_documents=4)
+    with pytest.raises(ValueError, match=r"rank must be in \[0, world=2\), got 2"):
+        PackedDataset([[1]], batch=1, sequence=8, max_documents=4, rank=2, world=2)
+    with pytest.raises(ValueError, match="shuffle=True needs indexable examples"):
+        PackedDataset(
+            type("Examples", (), {"__iter__": lambda self: iter([[1]])})(),
+            batch=1,
+            sequence=8,
+            max_documents=4,
+            shuffle=True,
+        )
+    with pytest.raises(ValueError, match="batch must be positive"):
+        PackedDataset([[1]], batch=0, sequence=8, max_documents=4)

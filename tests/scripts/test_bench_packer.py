@@ -1,0 +1,20 @@
+"""scripts/bench_packer.py at tiny sizes: every packer's fill and time, and a verdict for every target."""
+
+from __future__ import annotations
+
+import json
+
+import bench_packer
+
+
+def test_bench_packer_reports_every_target_and_writes_json(tmp_path, capsys):
+    out = tmp_path / "packer.json"
+    argv = ["--quick", "--documents", "400", "--rounds", "1", "--max-documents", "16", "--json", str(out)]
+    assert bench_packer.main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "alignment 1, no cap: packfn fill within 0.5 points of BFD" in printed
+    assert "alignments 16, 128: packfn fill >= BFD on the aligned sizes with the same cap" in printed
+    result = json.loads(out.read_text())
+    assert len(result["fills"]) == 2 * 3 * 3 and len(result["times"]) == 2
+    for entry in result["fills"]:  # sequence 4096: every alignment divides it, so BFD's problem is the packer's
+        assert entry["lower_bound_rows"] <= entry["packfn_rows"] <= entry["bfd_rows"]
