@@ -60,3 +60,11 @@ def test_every_example_is_run_by_a_test():
     source = Path(__file__).read_text()
     for script in EXAMPLES.glob("*.py"):
         assert f'"{script.stem}"' in source or f"{script.name}" in source, f"no test runs examples/{script.name}"
+
+
+def test_packer_to_model_example_feeds_a_compiled_model_from_two_workers(capsys):
+    argv = ["--batch", "2", "--sequence", "32", "--batches", "2", "--workers", "2"]
+    assert _load(EXAMPLES / "packer_to_model.py").main(argv) == 0
+    printed = capsys.readouterr().out
+    assert printed.count("packed == each document alone") == 2
+    assert "suggest_budgets: max_documents=" in printed
