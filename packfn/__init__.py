@@ -8,12 +8,15 @@ to the host, and a compiled graph never specializes on a batch's contents.
 - layouts (:mod:`packfn.layout`): ``aligned_layout``, ``safe_budget``, ``PackedSequenceLayout``;
 - masks (:mod:`packfn.masks`): ``block_causal_mask``, ``document_mask_mod``, ``document_block_mask``;
 - varlen inputs (:mod:`packfn.varlen`): ``physical_varlen_metadata``, ``unpad``, ``pad``;
-- formats (:mod:`packfn.formats`): ``packed_position_ids``;
+- formats (:mod:`packfn.formats`): ``packed_position_ids``, ``document_ids_from_*`` (position ids, EOS,
+  ``cu_seqlens``, ``seq_lens``, ``seq_idx``), ``seq_idx_from_document_ids``, ``seq_lens_from_document_ids``,
+  ``thd_metadata``;
 - contracts (:mod:`packfn.contract`): ``packed_attention_inputs`` and the contract types;
 - the packer (:mod:`packfn.packer`): ``pack_documents``, ``pack_stream``;
 - distributed (:mod:`packfn.distributed`): ``shard_packed_batch`` and the local-query inputs of a rank.
 
-Integrations stand on the core: :mod:`packfn.hf` (transformers). The NeMo
+Integrations stand on the core: :mod:`packfn.hf` (transformers), :mod:`packfn.megatron`
+(Megatron-core), :mod:`packfn.torchtune`. The NeMo
 AutoModel drop-ins, which read the host once, are :mod:`packfn.nemo_automodel`.
 The ops themselves are ``torch.ops.packfn.*`` (:mod:`packfn._ops`).
 """
@@ -36,7 +39,19 @@ from packfn.distributed import (
     shard_packed_batch,
     split_batch_metadata,
 )
-from packfn.formats import packed_position_ids
+from packfn.formats import (
+    EosDocuments,
+    ThdMetadata,
+    document_ids_from_cu_seqlens,
+    document_ids_from_eos,
+    document_ids_from_position_ids,
+    document_ids_from_seq_idx,
+    document_ids_from_seq_lens,
+    packed_position_ids,
+    seq_idx_from_document_ids,
+    seq_lens_from_document_ids,
+    thd_metadata,
+)
 from packfn.layout import PackedSequenceLayout, aligned_layout, safe_budget
 from packfn.layout import aligned_length as aligned_length  # deprecated, not in __all__
 from packfn.masks import block_causal_mask, document_block_mask, document_mask_mod
@@ -49,12 +64,14 @@ __all__ = [
     "BatchMetadata",
     "CPShard",
     "CPVarlenMetadata",
+    "EosDocuments",
     "PackedBatch",
     "PackedMaskType",
     "PackedSequenceContract",
     "PackedSequenceLayout",
     "PhysicalVarlenMetadata",
     "Piece",
+    "ThdMetadata",
     "VarlenMetadata",
     "aligned_layout",
     "batch_metadata",
@@ -64,6 +81,11 @@ __all__ = [
     "cp_document_block_mask",
     "cp_varlen_metadata",
     "document_block_mask",
+    "document_ids_from_cu_seqlens",
+    "document_ids_from_eos",
+    "document_ids_from_position_ids",
+    "document_ids_from_seq_idx",
+    "document_ids_from_seq_lens",
     "document_mask_mod",
     "flatten_metadata",
     "pack_documents",
@@ -73,8 +95,11 @@ __all__ = [
     "pad",
     "physical_varlen_metadata",
     "safe_budget",
+    "seq_idx_from_document_ids",
+    "seq_lens_from_document_ids",
     "shard_packed_batch",
     "split_batch_metadata",
+    "thd_metadata",
     "unpad",
     "varlen_metadata",
 ]
