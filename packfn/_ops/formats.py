@@ -90,6 +90,25 @@ def _false(like: torch.Tensor) -> torch.Tensor:
     return torch.zeros((), dtype=torch.bool, device=like.device)
 
 
+# NOTE [Shifts of full width]
+# "The value before each one along a row" is written F.pad(x, (1, 0))[..., :-1]
+# (and the one after, F.pad(x, (0, 1))[..., 1:]), never as x[..., 1:] op
+# x[..., :-1]: an elementwise op between two slices of width S - 1 makes the
+# tracer guard on S - 1 != 1 (broadcasting a width of 1 differs), so a dynamic
+# compile recompiles at two columns and torch.export with a Dim on the sequence
+# fails its default range, which includes 2.
+
+
+def _before(x: torch.Tensor, fill) -> torch.Tensor:
+    """The entry before each one along the last axis, ``fill`` first (NOTE [Shifts of full width])."""
+    return F.pad(x, (1, 0), value=fill)[..., :-1]
+
+
+def _after(x: torch.Tensor, fill) -> torch.Tensor:
+    """The entry after each one along the last axis, ``fill`` last (NOTE [Shifts of full width])."""
+    return F.pad(x, (0, 1), value=fill)[..., 1:]
+
+
 # ------------------------------------------------------------ position ids
 
 
@@ -110,8 +129,7 @@ def _positions_math(document_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     valid = ids != 0
     seen = valid.cumsum(1)
     # A start: the id exceeds the running maximum before it (padding never does).
-    before = F.pad(running[:, :-1], (1, 0))
-    starts = ids > before
+    starts = ids > _before(running, 0)
     first_seen = torch.where(starts, seen, 0).cummax(1).values
     columns = torch.arange(sequence, device=ids.device)
     last = torch.where(seen > 0, last, 0)
@@ -236,7 +254,7 @@ def document_positions_op(document_ids: torch.Tensor) -> tuple[torch.Tensor, tor
     columns = torch.arange(sequence, device=ids.device)
     # The first valid column after each token in its row (_NONE if none): a running minimum from the right.
     ahead = torch.where(valid, columns, _NONE).flip(1).cummin(1).values.flip(1)
-    after = F.pad(ahead[:, 1:], (0, 1), value=_NONE)
+    after = _after(ahead, _NONE)
     found = after != _NONE
     same = ids.gather(1, torch.where(found, after, 0)) == ids
     rows = torch.arange(batch, device=ids.device).unsqueeze(1) * sequence
@@ -280,8 +298,7 @@ def _valid_tokens(
 def _previous_valid(valid: torch.Tensor) -> torch.Tensor:
     """int64 ``[B, S]``: the column of the last valid token before each one in its row, -1 where there is none."""
     columns = torch.arange(valid.shape[1], device=valid.device)
-    last = torch.where(valid, columns, -1).cummax(1).values
-    return F.pad(last[:, :-1], (1, 0), value=-1)
+    return _before(torch.where(valid, columns, -1).cummax(1).values, -1)
 
 
 def _from_position_ids_fake(
@@ -299,8 +316,7 @@ def document_ids_from_position_ids_op(
     valid = _valid_tokens(positions, attention_mask, pad_position)
     if valid is None:
         # No padding: the previous token is the one before, and the row start begins a document.
-        continues = F.pad(positions[:, 1:] == positions[:, :-1] + 1, (1, 0), value=False)
-        starts = ~continues
+        starts = positions != _before(positions, -2) + 1
         ids = starts.cumsum(1)
         negative = (positions < 0).any()
     else:
@@ -355,7 +371,7 @@ def _eos_documents(input_ids, attention_mask, eos_token_ids, bos, pad_token_id):
     valid = _valid_tokens(input_ids, attention_mask, pad_token_id)
     if bos:
         # A marker begins its document; the row start begins one too.
-        documents = F.pad(markers[:, 1:], (1, 0), value=True).cumsum(1)
+        documents = (markers | (torch.arange(input_ids.shape[1], device=input_ids.device) == 0)).cumsum(1)
     else:
         # A marker ends its document: the next token begins the next one.
         documents = markers.cumsum(1) - markers.long() + 1
@@ -382,7 +398,7 @@ def _eos_outputs(input_ids, documents, markers, valid, positions, vocab_size, re
 def _positions_without_padding(documents: torch.Tensor) -> torch.Tensor:
     """Position ids of ids that are never 0: each column minus the column its run of equal ids begins at."""
     columns = torch.arange(documents.shape[1], device=documents.device)
-    starts = F.pad(documents[:, 1:] != documents[:, :-1], (1, 0), value=True)
+    starts = documents != _before(documents, -1)
     return columns - torch.where(starts, columns, 0).cummax(1).values
 
 
@@ -485,10 +501,10 @@ def _cu_seqlens_flags(cu_seqlens: torch.Tensor, limit) -> tuple[torch.Tensor, li
     count = present.sum(-1, keepdim=True)
     last = cu_seqlens.gather(-1, (count - 1).clamp_min(0))
     bounds = torch.where(present & ~absent_before, cu_seqlens, last)
-    pairs = present[..., 1:] & present[..., :-1]
+    pairs = present & _before(present, False)
     flags = [
         (cu_seqlens[..., 0] != 0).any(),
-        ((cu_seqlens[..., 1:] < cu_seqlens[..., :-1]) & pairs).any(),
+        ((cu_seqlens < _before(cu_seqlens, 0)) & pairs).any(),
         ((cu_seqlens < -1) | (present & absent_before)).any(),
         (cu_seqlens > limit).any(),
     ]
@@ -510,7 +526,7 @@ def document_ids_from_cu_seqlens_op(
     if cu_seqlens.ndim == 2:
         # One table per row, over its columns: the lengths are the differences.
         bounds, flags = _cu_seqlens_flags(cu_seqlens.to(torch.int64), sequence)
-        ids = _ids_from_lengths((bounds[:, 1:] - bounds[:, :-1]).clamp_min(0), sequence)
+        ids = _ids_from_lengths((bounds - _before(bounds, 0))[:, 1:].clamp_min(0), sequence)
         flags.append(_false(cu_seqlens))
     else:
         # One table over the flattened [B * S] stream: segment k holds the
@@ -522,7 +538,7 @@ def document_ids_from_cu_seqlens_op(
         inside = tokens.view(batch, sequence) < bounds[-1]
         ids = torch.where(inside, segment - segment[:, :1] + 1, 0)
         # A row that begins inside the segment its previous row ends in cuts a document in two.
-        crossing = inside[1:, 0] & (segment[1:, 0] == segment[:-1, -1])
+        crossing = inside[:, 0] & (segment[:, 0] == F.pad(segment[:, -1], (1, 0), value=-1)[:-1])
         flags.append(crossing.any())
     if attention_mask is not None:
         ids = torch.where(attention_mask != 0, ids, 0)
@@ -552,7 +568,7 @@ def document_ids_from_seq_idx_op(
     if valid is None:
         ids = index + 1
         negative = (index < 0).any()
-        decreasing = (index[:, 1:] < index[:, :-1]).any()
+        decreasing = (index < _before(index, -(2**62))).any()
     else:
         ids = torch.where(valid, index + 1, 0)
         negative = (valid & (index < 0)).any()
@@ -622,8 +638,7 @@ def _thd_from(parsed, document_ids: torch.Tensor, max_documents: int):
     padded = torch.where(slots < starts.sum(), firsts, total)
     padded = torch.where(slots == 0, 0, padded).to(torch.int32)
     valid = parsed.valid
-    left = F.pad(valid[:, :-1], (1, 0), value=False)
-    inside = (valid & ~parsed.starts & ~left).any()
+    inside = (valid & ~parsed.starts & ~_before(valid, False)).any()
     leading = ~valid[0, 0] & valid.any()
     return cu_seqlens, padded, torch.cat([parsed.broken, torch.stack([inside, leading])])
 
