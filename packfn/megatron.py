@@ -22,8 +22,8 @@ import torch
 
 from packfn._checks import check_tensor
 from packfn._ops import formats as _format_ops
-from packfn._ops import masks as _mask_ops
 from packfn.formats import thd_metadata
+from packfn.masks import causal_band_mask
 
 __all__ = ["PackedSeqParams", "_get_ltor_masks_and_position_ids", "get_ltor_masks_and_position_ids", "packed_seq_params"]
 
@@ -132,14 +132,17 @@ def get_ltor_masks_and_position_ids(
         if eod_mask_loss or reset_position_ids or reset_attention_mask:
             torch.ones(data.numel(), device=data.device)[data == eod_token]  # raises upstream's IndexError
         data = data.reshape(-1)
-    tokens = data.unsqueeze(0)
-    documents, positions, loss_mask, _ = _format_ops.document_ids_from_eos_op(
-        tokens, None, [eod_token], False, None, None, reset_position_ids, reset_attention_mask, eod_mask_loss
+    # Positions restarting at every EOD give each token's document start (column minus position).
+    _, restarting, loss_mask, _ = _format_ops.document_ids_from_eos_op(
+        data.unsqueeze(0), None, [eod_token], False, None, None, True, True, eod_mask_loss
     )
+    columns = torch.arange(data.numel(), device=data.device)
     attention_mask = None
     if create_attention_mask:
-        attention_mask = ~_mask_ops.block_causal_mask_op(documents, False).mask[:, 0]
-    return attention_mask, loss_mask[0].float(), positions[0]
+        first = columns - restarting if reset_attention_mask else torch.zeros_like(restarting)
+        attention_mask = causal_band_mask(first, invert=True)
+    position_ids = restarting[0] if reset_position_ids else columns
+    return attention_mask, loss_mask[0].float(), position_ids
 
 
 _get_ltor_masks_and_position_ids = get_ltor_masks_and_position_ids

@@ -23,8 +23,8 @@ from typing import Any
 import torch
 
 from packfn._ops import formats as _format_ops
-from packfn._ops import masks as _mask_ops
 from packfn._ops._registry import assert_rules
+from packfn.masks import causal_band_mask
 
 __all__ = ["collate_packed", "packed_block_causal_mask", "padded_collate_packed"]
 
@@ -84,7 +84,9 @@ def packed_block_causal_mask(seq_lens: list[torch.Tensor]) -> Any:
             return (q_idx >= kv_idx) & (documents[b, q_idx] == documents[b, kv_idx])
 
         return create_block_mask(mask_mod, ids.shape[0], None, sequence, sequence, device="cuda")
-    return _mask_ops.block_causal_mask_op(ids, False).mask[:, 0]
+    # Every document is contiguous: each token's first column is its column minus its position.
+    positions = _format_ops.position_ids_op(ids).position_ids
+    return causal_band_mask(torch.arange(sequence, device=ids.device) - positions)
 
 
 def padded_collate_packed(batch: list[dict[str, torch.Tensor]]) -> dict[str, Any]:

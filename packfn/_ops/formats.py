@@ -53,7 +53,6 @@ from packfn._ops.metadata import (
     _varlen_from,
     binary_search_slots,
     broken_fake,
-    search_running_sums,
 )
 
 __all__ = [
@@ -151,7 +150,9 @@ def _runs_cpu(document_ids: torch.Tensor):
     change[:, 0] = True
     numpy.not_equal(array[:, 1:], array[:, :-1], out=change[:, 1:])
     start = numpy.flatnonzero(change)  # flat position of each run's first token
-    length = numpy.diff(start, append=batch * sequence)
+    length = numpy.empty_like(start)
+    numpy.subtract(start[1:], start[:-1], out=length[:-1])
+    length[-1] = batch * sequence - start[-1]
     run_id = array.reshape(-1)[start].astype(numpy.int64)
     return array, start, length, run_id
 
@@ -182,8 +183,9 @@ def _positions_cpu(document_ids: torch.Tensor):
     offset[valid] = earlier - numpy.maximum.accumulate(numpy.where(new_document, earlier, 0)) - column[valid]
     padding = numpy.flatnonzero(run_id == 0)
     offset[padding] = numpy.where(column[padding] != 0, offset[numpy.maximum(padding - 1, 0)], 0)
-    positions = numpy.repeat(offset, length).reshape(batch, sequence) + numpy.arange(sequence)
-    broken = [bool((run_id < 0).any()), bool((same_row & (valid_id[1:] < valid_id[:-1])).any()), False]
+    positions = numpy.repeat(offset, length).reshape(batch, sequence)
+    numpy.add(positions, numpy.arange(sequence), out=positions)
+    broken = numpy.array([(run_id < 0).any(), (same_row & (valid_id[1:] < valid_id[:-1])).any(), False])
     next_run = numpy.full(start.size, -1, dtype=numpy.int64)
     # A valid run whose document goes on after padding: its last token's next token is the next run's first.
     continued = valid[:-1][~new_document[1:]]
@@ -208,7 +210,7 @@ def _position_ids_eager(document_ids: torch.Tensor) -> tuple[torch.Tensor, torch
     if cpu is None:
         return tuple(position_ids_op.math(document_ids))
     positions, broken, _ = cpu
-    return torch.from_numpy(positions), torch.tensor(broken)
+    return torch.from_numpy(positions), torch.from_numpy(broken)
 
 
 @packfn_op("position_ids", fake=_position_ids_fake, outputs=PositionOutputs, eager=_position_ids_eager)
@@ -241,7 +243,7 @@ def _document_positions_eager(document_ids: torch.Tensor) -> tuple[torch.Tensor,
     flat = numpy.arange(1, array.size + 1, dtype=numpy.int64)
     flat[start + length - 1] = next_run
     flat[numpy.repeat(run_id == 0, length)] = -1
-    return torch.from_numpy(positions), torch.from_numpy(flat.reshape(array.shape)), torch.tensor(broken)
+    return torch.from_numpy(positions), torch.from_numpy(flat.reshape(array.shape)), torch.from_numpy(broken)
 
 
 @packfn_op(
@@ -308,7 +310,27 @@ def _from_position_ids_fake(
     return _ids_fake(position_ids, 2)
 
 
-@packfn_op("document_ids_from_position_ids", fake=_from_position_ids_fake, outputs=IdsOutputs)
+def _from_position_ids_eager(
+    position_ids: torch.Tensor, attention_mask: torch.Tensor | None, pad_position: int | None, start: int | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Without padding, on the CPU: the starts by NumPy, one cumsum (NOTE [Eager kernels]); else the decomposition."""
+    array = None
+    if attention_mask is None and pad_position is None and position_ids.device.type == "cpu" and position_ids.numel():
+        array = numpy_view(position_ids)
+    if array is None:
+        return tuple(document_ids_from_position_ids_op.math(position_ids, attention_mask, pad_position, start))
+    starts = numpy.empty(array.shape, dtype=numpy.bool_)
+    starts[:, 0] = True
+    numpy.not_equal(array[:, 1:], array[:, :-1] + 1, out=starts[:, 1:])
+    negative = bool(array.min() < 0)
+    restart = bool(numpy.logical_and(starts, array != start).any()) if start is not None else False
+    ids = torch.from_numpy(starts).cumsum(1)
+    return ids, torch.tensor([negative, restart])
+
+
+@packfn_op(
+    "document_ids_from_position_ids", fake=_from_position_ids_fake, outputs=IdsOutputs, eager=_from_position_ids_eager
+)
 def document_ids_from_position_ids_op(
     position_ids: torch.Tensor, attention_mask: torch.Tensor | None, pad_position: int | None, start: int | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -452,20 +474,53 @@ SEQ_LENS_RULES = (
 """Data rules of a ``seq_lens`` table, in the order of its op's flags."""
 
 
+def _ends_at_or_before(ends: torch.Tensor, length: int) -> torch.Tensor:
+    """int64 ``[R, length]``: how many entries of each row of ``ends`` (``[R, D]``, sorted) are at or before each column.
+
+    NOTE [Counting boundaries without a search]: each group of equal ends
+    writes its size once, at its column (by a scatter whose targets are
+    distinct: the other ends go to spare slots of their own, so there are no
+    atomics and no ordering to depend on), and a running sum over the columns
+    counts them. Linear in ``length``, where a search would be
+    ``length * log(D)`` (and aten's CPU ``searchsorted`` is slow).
+    """
+    rows, slots = ends.shape
+    index = torch.arange(slots, device=ends.device)
+    last = ends < _after(ends, 2**62)  # the last end of its group of equal ones
+    first = torch.where(ends != _before(ends, -1), index, 0).cummax(-1).values
+    target = torch.where(last & (ends < length), ends, length + index)
+    marks = torch.zeros(rows, length + slots, dtype=torch.int64, device=ends.device)
+    marks = marks.scatter(1, target, index - first + 1)
+    return marks[:, :length].cumsum(1)
+
+
 def _ids_from_lengths(lengths: torch.Tensor, sequence: int) -> torch.Tensor:
     """int64 ``[B, S]``: the 1-based slot of the document each column falls in, 0 past the row's total.
 
-    ``lengths`` is ``[B, D]``, never negative. One search of the rows'
-    running sums (NOTE [One flat search]): column ``j`` lies in the first
-    slot whose running sum exceeds ``j``.
+    ``lengths`` is ``[B, D]``, never negative: column ``j`` lies in slot
+    ``1 + (documents ending at or before j)``.
     """
     batch, slots = lengths.shape
     if slots == 0:
         return lengths.new_zeros(batch, sequence, dtype=torch.int64)
+    ends = lengths.to(torch.int64).cumsum(1)
     columns = torch.arange(sequence, device=lengths.device)
-    found = search_running_sums(lengths.to(torch.int64), columns, right=True)
-    local = found - torch.arange(batch, device=lengths.device).unsqueeze(1) * slots
-    return torch.where(local < slots, local + 1, 0)
+    return torch.where(columns < ends[:, -1:], _ends_at_or_before(ends, sequence) + 1, 0)
+
+
+def _ids_from_lengths_cpu(lengths: torch.Tensor, sequence: int) -> torch.Tensor | None:
+    """:func:`_ids_from_lengths` on the CPU by one NumPy ``repeat`` of the slots (NOTE [Eager kernels]); or None."""
+    table = numpy_view(lengths) if lengths.device.type == "cpu" and lengths.numel() else None
+    if table is None:
+        return None
+    batch, slots = table.shape
+    counts = numpy.empty((batch, slots + 1), dtype=numpy.int64)
+    counts[:, :slots] = table
+    ends = numpy.minimum(numpy.cumsum(counts[:, :slots], axis=1), sequence)
+    counts[:, :slots] = numpy.diff(ends, axis=1, prepend=0)  # lengths cut at the row end
+    counts[:, slots] = sequence - ends[:, -1]
+    values = numpy.broadcast_to(numpy.arange(slots + 2)[1:] % (slots + 1), (batch, slots + 1))
+    return torch.from_numpy(numpy.repeat(values.reshape(-1), counts.reshape(-1)).reshape(batch, sequence))
 
 
 def _from_seq_lens_fake(seq_lens: torch.Tensor, sequence: int):
@@ -473,12 +528,22 @@ def _from_seq_lens_fake(seq_lens: torch.Tensor, sequence: int):
     return seq_lens.new_empty(seq_lens.shape[0], sequence, dtype=torch.int64), seq_lens.new_empty(2, dtype=torch.bool)
 
 
-@packfn_op("document_ids_from_seq_lens", fake=_from_seq_lens_fake, outputs=IdsOutputs)
+def _seq_lens_flags(lengths: torch.Tensor, sequence: int) -> torch.Tensor:
+    return torch.stack([(lengths < 0).any(), (lengths.clamp_min(0).sum(1) > sequence).any()])
+
+
+def _from_seq_lens_eager(seq_lens: torch.Tensor, sequence: int) -> tuple[torch.Tensor, torch.Tensor]:
+    lengths = seq_lens.to(torch.int64)
+    ids = _ids_from_lengths_cpu(lengths.clamp_min(0), sequence)
+    if ids is None:
+        return tuple(document_ids_from_seq_lens_op.math(seq_lens, sequence))
+    return ids, _seq_lens_flags(lengths, sequence)
+
+
+@packfn_op("document_ids_from_seq_lens", fake=_from_seq_lens_fake, outputs=IdsOutputs, eager=_from_seq_lens_eager)
 def document_ids_from_seq_lens_op(seq_lens: torch.Tensor, sequence: int) -> tuple[torch.Tensor, torch.Tensor]:
     lengths = seq_lens.to(torch.int64)
-    negative = (lengths < 0).any()
-    overrun = (lengths.clamp_min(0).sum(1) > sequence).any()
-    return _ids_from_lengths(lengths.clamp_min(0), sequence), torch.stack([negative, overrun])
+    return _ids_from_lengths(lengths.clamp_min(0), sequence), _seq_lens_flags(lengths, sequence)
 
 
 CU_SEQLENS_RULES = (
@@ -525,16 +590,17 @@ def document_ids_from_cu_seqlens_op(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     if cu_seqlens.ndim == 2:
         # One table per row, over its columns: the lengths are the differences.
+        # Column j lies in slot k = #(boundaries at or before j): bounds[0] = 0 counts the first.
         bounds, flags = _cu_seqlens_flags(cu_seqlens.to(torch.int64), sequence)
-        ids = _ids_from_lengths((bounds - _before(bounds, 0))[:, 1:].clamp_min(0), sequence)
+        columns = torch.arange(sequence, device=cu_seqlens.device)
+        ids = torch.where(columns < bounds[:, -1:], _ends_at_or_before(bounds, sequence), 0)
         flags.append(_false(cu_seqlens))
     else:
         # One table over the flattened [B * S] stream: segment k holds the
-        # tokens from bounds[k] on (one search of the 1-d boundaries, NOTE
-        # [One flat search]); ids count the segments from the row's first.
+        # tokens from bounds[k] on; ids count the segments from the row's first.
         bounds, flags = _cu_seqlens_flags(cu_seqlens.to(torch.int64), batch * sequence)
         tokens = torch.arange(batch * sequence, device=cu_seqlens.device)
-        segment = torch.searchsorted(bounds, tokens, right=True).view(batch, sequence)
+        segment = _ends_at_or_before(bounds.unsqueeze(0), batch * sequence).view(batch, sequence)
         inside = tokens.view(batch, sequence) < bounds[-1]
         ids = torch.where(inside, segment - segment[:, :1] + 1, 0)
         # A row that begins inside the segment its previous row ends in cuts a document in two.

@@ -8,8 +8,9 @@ from dataclasses import dataclass, field
 from functools import cached_property
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["FLOOR", "Case", "Inputs", "floor_variant", "make_inputs"]
+__all__ = ["FLOOR", "Case", "DataDependentOps", "Inputs", "count_data_dependent", "floor_variant", "make_inputs"]
 
 
 @dataclass
@@ -30,6 +31,61 @@ class Case:
     notes: dict[str, str] = field(default_factory=dict)
     floor: str | None = None
     """A variant whose time is the floor of the job (one pass over the mask); rows report time over it."""
+    counts: dict[str, dict[str, int]] = field(default_factory=dict)
+    """Per variant, its host reads and data-dependent ops in one call (:func:`count_data_dependent`)."""
+
+
+class DataDependentOps(TorchDispatchMode):
+    """Counts the aten calls of eager code that read a value back to the host, or size an output by the data.
+
+    Host reads: ``_local_scalar_dense`` (``.item()``, ``int(t)``, ``if t``),
+    ``equal``. Data-dependent ops: ``nonzero`` (``t[mask]`` and
+    ``nonzero``), ``masked_select``, boolean ``index`` / ``index_put``,
+    ``repeat_interleave`` and ``unique``. ``.tolist()`` reads the host without
+    an aten call, so it is not seen.
+    """
+
+    HOST_READS = frozenset({"_local_scalar_dense", "equal"})
+    DATA_DEPENDENT = frozenset(
+        {"nonzero", "nonzero_static", "masked_select", "repeat_interleave", "unique_consecutive", "_unique2", "unique_dim"}
+    )
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.host_reads = 0
+        self.data_dependent = 0
+        self.ops: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        self.ops[name] = self.ops.get(name, 0) + 1
+        if name in self.HOST_READS:
+            self.host_reads += 1
+        boolean_index = name in ("index", "index_put", "index_put_") and any(
+            isinstance(index, torch.Tensor) and index.dtype == torch.bool for index in (args[1] or ())
+        )
+        if name in self.DATA_DEPENDENT or boolean_index:
+            self.data_dependent += 1
+        return func(*args, **(kwargs or {}))
+
+
+def count_data_dependent(function: Callable[[], object], *, decompose: bool = False) -> dict[str, int]:
+    """Host reads and data-dependent ops of one call of ``function`` (eager).
+
+    With ``decompose``, packfn's ops run their decompositions (the static
+    path compiled, exported and GPU code runs), so the count sees inside
+    them; otherwise an op is one call, whatever its eager kernel does.
+    """
+    mode = DataDependentOps()
+    if decompose:
+        from torch._dispatch.python import enable_python_dispatcher
+
+        with enable_python_dispatcher(), mode:
+            function()
+    else:
+        with mode:
+            function()
+    return {"host_reads": mode.host_reads, "data_dependent_ops": mode.data_dependent}
 
 
 FLOOR = "floor: (mask > 0).sum()"

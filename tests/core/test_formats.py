@@ -199,6 +199,28 @@ def test_eos_and_thd_kernels_match_decomposition(rows: PackedRows, data):
     assert_same_outputs(ops.thd_metadata_op, rows.document_ids, rows.max_documents)
 
 
+@settings(max_examples=80)
+@given(
+    positions=st.lists(st.lists(st.integers(-2, 6), min_size=1, max_size=12), min_size=1, max_size=3).filter(
+        lambda rows: len({len(row) for row in rows}) == 1
+    ),
+    start=st.sampled_from([0, 1, None]),
+)
+def test_position_ids_to_document_ids_kernel_matches_decomposition(positions, start):
+    assert_same_outputs(ops.document_ids_from_position_ids_op, torch.tensor(positions), None, None, start)
+
+
+@settings(max_examples=80)
+@given(
+    table=st.lists(st.lists(st.integers(-1, 7), min_size=1, max_size=5), min_size=1, max_size=3).filter(
+        lambda rows: len({len(row) for row in rows}) == 1
+    ),
+    sequence=st.integers(1, 16),
+)
+def test_seq_lens_kernel_matches_decomposition(table, sequence):
+    assert_same_outputs(ops.document_ids_from_seq_lens_op, torch.tensor(table), sequence)
+
+
 # ------------------------------------------------------------------- bad input
 
 
