@@ -239,6 +239,17 @@ def _attention_masks(
 # ------------------------------------------------ Trainer: static packed batches
 
 
+def _int64_tensor(values: Any) -> torch.Tensor:
+    """A 1-d int64 tensor of a list (by NumPy where it is installed: several times faster) or of a tensor."""
+    if isinstance(values, torch.Tensor):
+        return values.to(torch.int64).reshape(-1)
+    from packfn._ops._cpu import numpy
+
+    if numpy is not None:
+        return torch.from_numpy(numpy.asarray(values, dtype=numpy.int64).reshape(-1))
+    return torch.as_tensor(values, dtype=torch.int64).reshape(-1)
+
+
 class PackedCollator:
     """A ``transformers.Trainer`` / TRL data collator: static ``[batch, sequence]`` rows with their document ids.
 
@@ -277,7 +288,7 @@ class PackedCollator:
         labels = torch.full((rows, self.sequence), -100, dtype=torch.int64)
         tables = []
         for row, feature in enumerate(features):
-            tokens = torch.as_tensor(feature["input_ids"], dtype=torch.int64).reshape(-1)
+            tokens = _int64_tensor(feature["input_ids"])
             count = tokens.numel()
             if count > self.sequence:
                 raise ValueError(f"feature {row} holds {count} tokens, more than sequence={self.sequence}")
@@ -286,7 +297,7 @@ class PackedCollator:
             if int(lengths.sum()) != count:
                 raise ValueError(f"feature {row}: its lengths {lengths.tolist()} do not add up to its {count} tokens")
             input_ids[row, :count] = tokens
-            labels[row, :count] = torch.as_tensor(feature.get("labels", tokens), dtype=torch.int64).reshape(-1)
+            labels[row, :count] = _int64_tensor(feature.get("labels", tokens))
             tables.append(lengths)
         width = max(1, max(table.numel() for table in tables))
         seq_lens = torch.zeros(rows, width, dtype=torch.int64)

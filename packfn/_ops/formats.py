@@ -157,6 +157,27 @@ def _runs_cpu(document_ids: torch.Tensor):
     return array, start, length, run_id
 
 
+def _document_runs(starts) -> tuple:
+    """NumPy: the documents of contiguous rows from their first tokens (bool ``[B, S]``, column 0 always set).
+
+    Returns each document's flat first position, its length and its 1-based
+    index in its row.
+    """
+    batch, sequence = starts.shape
+    first = numpy.flatnonzero(starts)
+    length = numpy.empty_like(first)
+    numpy.subtract(first[1:], first[:-1], out=length[:-1])
+    length[-1] = batch * sequence - first[-1]
+    index = numpy.arange(first.size)
+    row_first = numpy.maximum.accumulate(numpy.where(first % sequence == 0, index, 0))
+    return first, length, index - row_first + 1
+
+
+def _expand(values, length, shape):
+    """NumPy: each run's value over its run, as ``shape``."""
+    return numpy.repeat(values, length).reshape(shape)
+
+
 def _positions_cpu(document_ids: torch.Tensor):
     """:func:`_positions_math` on a CPU mask, run by run (NOTE [Eager kernels]); None where NumPy is not to be had.
 
@@ -313,7 +334,7 @@ def _from_position_ids_fake(
 def _from_position_ids_eager(
     position_ids: torch.Tensor, attention_mask: torch.Tensor | None, pad_position: int | None, start: int | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Without padding, on the CPU: the starts by NumPy, one cumsum (NOTE [Eager kernels]); else the decomposition."""
+    """Without padding, on the CPU: the documents by NumPy, as runs (NOTE [Eager kernels]); else the decomposition."""
     array = None
     if attention_mask is None and pad_position is None and position_ids.device.type == "cpu" and position_ids.numel():
         array = numpy_view(position_ids)
@@ -321,11 +342,13 @@ def _from_position_ids_eager(
         return tuple(document_ids_from_position_ids_op.math(position_ids, attention_mask, pad_position, start))
     starts = numpy.empty(array.shape, dtype=numpy.bool_)
     starts[:, 0] = True
-    numpy.not_equal(array[:, 1:], array[:, :-1] + 1, out=starts[:, 1:])
-    negative = bool(array.min() < 0)
-    restart = bool(numpy.logical_and(starts, array != start).any()) if start is not None else False
-    ids = torch.from_numpy(starts).cumsum(1)
-    return ids, torch.tensor([negative, restart])
+    numpy.not_equal(array[:, 1:] - array[:, :-1], 1, out=starts[:, 1:])
+    first, length, index = _document_runs(starts)
+    # Inside a document the positions count up by 1, so its first one is its smallest.
+    opening = array.reshape(-1)[first]
+    restart = start is not None and bool((opening != start).any())
+    broken = numpy.array([(opening < 0).any(), restart])
+    return torch.from_numpy(_expand(index, length, array.shape)), torch.from_numpy(broken)
 
 
 @packfn_op(
@@ -435,13 +458,40 @@ def _from_eos_eager(
     reset_attention_mask: bool,
     eod_mask_loss: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The decomposition, with the position ids of the CPU eager kernel (NOTE [Eager kernels])."""
+    """On the CPU: without padding the documents are runs (NumPy), else the CPU position ids (NOTE [Eager kernels])."""
+    plain = attention_mask is None and pad_token_id is None and input_ids.device.type == "cpu" and input_ids.numel()
+    array = numpy_view(input_ids) if plain else None
+    if array is not None:
+        return _eos_runs_cpu(array, eos_token_ids, bos, vocab_size, reset_position_ids, reset_attention_mask, eod_mask_loss)
     documents, markers, valid = _eos_documents(input_ids, attention_mask, eos_token_ids, bos, pad_token_id)
     positions = None
     if reset_position_ids:
         cpu = _positions_cpu(documents)
         positions = torch.from_numpy(cpu[0]) if cpu is not None else _eos_positions(documents, valid)
     return _eos_outputs(input_ids, documents, markers, valid, positions, vocab_size, reset_attention_mask, eod_mask_loss)
+
+
+def _eos_runs_cpu(array, eos_token_ids, bos, vocab_size, reset_position_ids, reset_attention_mask, eod_mask_loss):
+    """:func:`_from_eos_eager` of a padding-free CPU stream: documents are the runs between markers."""
+    shape = array.shape
+    markers = array == eos_token_ids[0]
+    for token in eos_token_ids[1:]:
+        markers |= array == token
+    starts = numpy.empty(shape, dtype=numpy.bool_)
+    starts[:, 0] = True
+    starts[:, 1:] = markers[:, 1:] if bos else markers[:, :-1]
+    first, length, index = _document_runs(starts)
+    documents = _expand(index, length, shape) if reset_attention_mask else numpy.ones(shape, dtype=numpy.int64)
+    columns = numpy.arange(shape[1])
+    if reset_position_ids:
+        positions = _expand(-(first % shape[1]), length, shape)
+        numpy.add(positions, columns, out=positions)
+    else:
+        positions = numpy.broadcast_to(columns, shape).copy()
+    loss_mask = ~markers if eod_mask_loss else numpy.ones(shape, dtype=numpy.bool_)
+    outside = vocab_size is not None and bool(array.min() < 0 or array.max() >= vocab_size)
+    tensors = (documents, positions, loss_mask, numpy.array([outside]))
+    return tuple(torch.from_numpy(numpy.ascontiguousarray(tensor)) for tensor in tensors)
 
 
 def _eos_positions(documents: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
@@ -508,19 +558,15 @@ def _ids_from_lengths(lengths: torch.Tensor, sequence: int) -> torch.Tensor:
     return torch.where(columns < ends[:, -1:], _ends_at_or_before(ends, sequence) + 1, 0)
 
 
-def _ids_from_lengths_cpu(lengths: torch.Tensor, sequence: int) -> torch.Tensor | None:
-    """:func:`_ids_from_lengths` on the CPU by one NumPy ``repeat`` of the slots (NOTE [Eager kernels]); or None."""
-    table = numpy_view(lengths) if lengths.device.type == "cpu" and lengths.numel() else None
-    if table is None:
-        return None
+def _ids_from_lengths_cpu(table, sequence: int) -> torch.Tensor:
+    """:func:`_ids_from_lengths` of a NumPy int64 table (never negative) by one ``repeat`` of the slots (NOTE [Eager kernels])."""
     batch, slots = table.shape
-    counts = numpy.empty((batch, slots + 1), dtype=numpy.int64)
-    counts[:, :slots] = table
-    ends = numpy.minimum(numpy.cumsum(counts[:, :slots], axis=1), sequence)
-    counts[:, :slots] = numpy.diff(ends, axis=1, prepend=0)  # lengths cut at the row end
-    counts[:, slots] = sequence - ends[:, -1]
-    values = numpy.broadcast_to(numpy.arange(slots + 2)[1:] % (slots + 1), (batch, slots + 1))
-    return torch.from_numpy(numpy.repeat(values.reshape(-1), counts.reshape(-1)).reshape(batch, sequence))
+    ends = numpy.minimum(numpy.cumsum(table, axis=1), sequence)
+    counts = numpy.diff(ends, axis=1, prepend=0, append=sequence)  # the lengths cut at the row end, then padding
+    slot_ids = numpy.arange(1, slots + 2)
+    slot_ids[-1] = 0
+    ids = numpy.repeat(numpy.tile(slot_ids, batch), counts.reshape(-1))
+    return torch.from_numpy(ids.reshape(batch, sequence))
 
 
 def _from_seq_lens_fake(seq_lens: torch.Tensor, sequence: int):
@@ -533,11 +579,12 @@ def _seq_lens_flags(lengths: torch.Tensor, sequence: int) -> torch.Tensor:
 
 
 def _from_seq_lens_eager(seq_lens: torch.Tensor, sequence: int) -> tuple[torch.Tensor, torch.Tensor]:
-    lengths = seq_lens.to(torch.int64)
-    ids = _ids_from_lengths_cpu(lengths.clamp_min(0), sequence)
-    if ids is None:
+    table = numpy_view(seq_lens) if seq_lens.device.type == "cpu" and seq_lens.numel() else None
+    if table is None:
         return tuple(document_ids_from_seq_lens_op.math(seq_lens, sequence))
-    return ids, _seq_lens_flags(lengths, sequence)
+    table = table.astype(numpy.int64)
+    broken = numpy.array([(table < 0).any(), (numpy.maximum(table, 0).sum(1) > sequence).any()])
+    return _ids_from_lengths_cpu(numpy.maximum(table, 0), sequence), torch.from_numpy(broken)
 
 
 @packfn_op("document_ids_from_seq_lens", fake=_from_seq_lens_fake, outputs=IdsOutputs, eager=_from_seq_lens_eager)
