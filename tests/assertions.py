@@ -31,3 +31,14 @@ def outcome(function, *args, **kwargs):
         return ("ok", function(*args, **kwargs))
     except Exception as error:  # the oracle's exception is the thing compared
         return ("error", type(error), str(error))
+
+
+def assert_same_outputs(op, *args) -> None:
+    """An op's eager kernel and decomposition agree (NOTE [Eager kernels]): equal outputs where no rule
+    breaks, otherwise the same first broken rule."""
+    expected, actual = op.math(*args), op.eager(*args)
+    if expected.broken.any() or actual.broken.any():
+        assert expected.broken.any() and actual.broken.any(), (args, expected.broken, actual.broken)
+        assert int(expected.broken.int().argmax()) == int(actual.broken.int().argmax()), (args, expected, actual)
+    else:
+        assert_same(tuple(actual), tuple(expected))

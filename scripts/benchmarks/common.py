@@ -10,7 +10,16 @@ from functools import cached_property
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["FLOOR", "Case", "DataDependentOps", "Inputs", "count_data_dependent", "floor_variant", "make_inputs"]
+__all__ = [
+    "FLOOR",
+    "Case",
+    "DataDependentOps",
+    "Inputs",
+    "aten_ops_of",
+    "count_data_dependent",
+    "floor_variant",
+    "make_inputs",
+]
 
 
 @dataclass
@@ -70,95 +79,42 @@ class DataDependentOps(TorchDispatchMode):
 
 
 def count_data_dependent(function: Callable[[], object], *, decompose: bool = False) -> dict[str, int]:
-    """Host reads and data-dependent ops of one call of ``function`` (eager).
+    """Host reads and data-dependent ops of one call of ``function``.
 
-    With ``decompose``, packfn's ops run their decompositions (the static
-    path compiled, exported and GPU code runs), so the count sees inside
-    them; otherwise an op is one call, whatever its eager kernel does.
+    Without ``decompose``, counted under :class:`DataDependentOps` in eager
+    (a packfn op is one call, whatever its eager kernel does). With it, in
+    the aten graph AOTAutograd traces (packfn's ops decompose there: the
+    static path that compiled, exported and GPU code runs); a host read would
+    be a ``_local_scalar_dense`` node, or a graph break (``fullgraph``).
     """
-    mode = DataDependentOps()
-    if decompose:
-        from torch._dispatch.python import enable_python_dispatcher
-
-        with enable_python_dispatcher(), mode:
-            function()
-    else:
+    if not decompose:
+        mode = DataDependentOps()
         with mode:
             function()
-    return {"host_reads": mode.host_reads, "data_dependent_ops": mode.data_dependent}
+        return {"host_reads": mode.host_reads, "data_dependent_ops": mode.data_dependent}
+    names = aten_ops_of(function)  # a boolean-mask index traces to nonzero, counted with the rest
+    return {
+        "host_reads": sum(names.get(name, 0) for name in DataDependentOps.HOST_READS),
+        "data_dependent_ops": sum(names.get(name, 0) for name in DataDependentOps.DATA_DEPENDENT),
+    }
 
 
-FLOOR = "floor: (mask > 0).sum()"
+def aten_ops_of(function: Callable[[], object]) -> dict[str, int]:
+    """How often each aten op appears in the forward graph AOTAutograd traces of ``function`` (``fullgraph``)."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
 
+    graphs: list[torch.fx.GraphModule] = []
 
-def floor_variant(mask: torch.Tensor) -> dict[str, Callable[[], object]]:
-    """The floor of a mask op: one pass over the mask (SPEC section 6)."""
-    return {FLOOR: lambda: (mask > 0).sum()}
+    def capture(graph_module, example_inputs):
+        graphs.append(graph_module)
+        return make_boxed_func(graph_module.forward)
 
-
-@dataclass
-class Inputs:
-    """SPEC section 5 inputs: ``batch`` rows of exponential-length documents.
-
-    Attributes:
-        batch, sequence, mean: the shape and mean document length.
-        lengths: per row, the document lengths (rows filled until the next
-            document would not fit, the rest padding).
-        device: where tensors live.
-    """
-
-    batch: int
-    sequence: int
-    mean: int
-    lengths: list[list[int]]
-    device: torch.device
-    hidden: int = 1024
-
-    @cached_property
-    def max_documents(self) -> int:
-        """The most documents in any row (a packer's real cap)."""
-        return max(1, max(len(row) for row in self.lengths))
-
-    @cached_property
-    def document_ids(self) -> torch.Tensor:
-        """int64 ``[batch, sequence]``: 1-based document ids, 0 at padding."""
-        mask = torch.zeros(self.batch, self.sequence, dtype=torch.int64)
-        for row, lengths in enumerate(self.lengths):
-            start = 0
-            for document, length in enumerate(lengths, start=1):
-                mask[row, start : start + length] = document
-                start += length
-        return mask.to(self.device)
-
-    @cached_property
-    def seq_lens(self) -> torch.Tensor:
-        """int64 ``[batch, max_documents]``: document lengths, 0 for absent slots."""
-        table = torch.zeros(self.batch, self.max_documents, dtype=torch.int64)
-        for row, lengths in enumerate(self.lengths):
-            table[row, : len(lengths)] = torch.tensor(lengths, dtype=torch.int64)
-        return table.to(self.device)
-
-    @cached_property
-    def values(self) -> torch.Tensor:
-        """float32 ``[batch, sequence, hidden]`` activations."""
-        generator = torch.Generator().manual_seed(1)
-        return torch.randn(self.batch, self.sequence, self.hidden, generator=generator).to(self.device)
-
-
-def make_inputs(
-    sequence: int, mean: int, *, batch: int = 8, seed: int = 0, device: str | torch.device = "cpu", hidden: int = 1024
-) -> Inputs:
-    """Draw document lengths from an exponential distribution (at least 1 token)."""
-    generator = torch.Generator().manual_seed(seed)
-    rows = []
-    for _ in range(batch):
-        lengths, used = [], 0
-        while True:
-            uniform = torch.rand((), generator=generator).item()
-            length = max(1, math.ceil(-mean * math.log1p(-uniform)))
-            if used + length > sequence:
-                break
-            lengths.append(length)
-            used += length
-        rows.append(lengths)
-    return Inputs(batch, sequence, mean, rows, torch.device(device), hidden)
+    torch.compile(function, backend=aot_autograd(fw_compiler=capture), fullgraph=True)()
+    names: dict[str, int] = {}
+    for graph in graphs:
+        for node in graph.graph.nodes:
+            if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
+                name = node.target.overloadpacket.__name__
+                names[name] = names.get(name, 0) + 1
+    return names

@@ -12,11 +12,10 @@ from hypothesis import strategies as st
 from torch._dynamo.testing import CompileCounterWithBackend
 from torch._dynamo.utils import counters
 from torch._inductor.utils import run_and_get_code
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import packfn
 from packfn._ops import formats as ops
-from tests.assertions import assert_same
+from tests.assertions import assert_same, assert_same_outputs
 from tests.references import (
     eos_stream,
     next_token_reference,
@@ -146,16 +145,6 @@ def test_thd_boundaries(rows: PackedRows):
 
 
 # ------------------------------------------------------------ the eager kernels
-
-
-def assert_same_outputs(op, *args) -> None:
-    """Equal outputs where no rule breaks; otherwise the same first broken rule (NOTE [Eager kernels])."""
-    expected, actual = op.math(*args), op.eager(*args)
-    if expected.broken.any() or actual.broken.any():
-        assert expected.broken.any() and actual.broken.any(), (args, expected.broken, actual.broken)
-        assert int(expected.broken.int().argmax()) == int(actual.broken.int().argmax()), (args, expected, actual)
-    else:
-        assert_same(tuple(actual), tuple(expected))
 
 
 BROKEN_MASKS = [[[2, 1, 0]], [[-1, 0, 2]], [[1, 0, -3, -3]], [[1, 2, 0, 1]], [[3, 0, 3, 2]]]
@@ -299,27 +288,6 @@ def test_bad_arguments_raise_at_call_time(call, error, message):
 # --------------------------------------------------------- no host reads at all
 
 
-class HostReads(TorchDispatchMode):
-    """Counts the aten calls that read a value back to the host or size an output by the data."""
-
-    DATA_DEPENDENT = {"_local_scalar_dense", "item", "nonzero", "masked_select", "unique_consecutive",
-                      "_unique2", "repeat_interleave", "is_nonzero", "equal", "tolist"}  # fmt: skip
-
-    def __init__(self):
-        super().__init__()
-        self.calls: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func.overloadpacket.__name__
-        if name in self.DATA_DEPENDENT or (name == "index" and any(_is_bool_index(a) for a in args[1])):
-            self.calls.append(name)
-        return func(*args, **(kwargs or {}))
-
-
-def _is_bool_index(index) -> bool:
-    return isinstance(index, torch.Tensor) and index.dtype == torch.bool
-
-
 def every_format(document_ids, position_ids, tokens, seq_lens, cu_rows, cu_flat, seq_idx):
     """Every conversion of the static path, on one packed batch in each format."""
     batch, sequence = document_ids.shape
@@ -364,10 +332,13 @@ def batch_in_every_format(sequence: int, seed: int, batch: int = 3) -> tuple[tor
 
 
 def test_static_path_reads_nothing_back_and_sizes_nothing_by_data():
+    """Every op's decomposition (what compiled, exported and GPU code runs), in the graph AOTAutograd traces."""
+    from scripts.benchmarks.common import DataDependentOps, aten_ops_of
+
     inputs = batch_in_every_format(24, seed=0)
-    with HostReads() as mode:
-        every_format(*inputs)
-    assert mode.calls == []
+    ops_seen = aten_ops_of(lambda: every_format(*inputs))
+    assert {"cumsum", "cummax", "scatter"} <= set(ops_seen), "the ops did not decompose"
+    assert not (set(ops_seen) & (DataDependentOps.HOST_READS | DataDependentOps.DATA_DEPENDENT)), ops_seen
 
 
 # ---------------------------------------------------------------- torch.compile
