@@ -304,8 +304,12 @@ class PackedCollator:
         for row, table in enumerate(tables):
             seq_lens[row, : table.numel()] = table
         document_ids = document_ids_from_seq_lens(seq_lens, self.sequence)
-        first = (document_ids != 0) & (document_ids != torch.nn.functional.pad(document_ids, (1, 0))[:, :-1])
-        return {"input_ids": input_ids, "labels": labels.masked_fill(first, -100), "document_ids": document_ids}
+        # Each document's first token: where the lengths before it end (a document of no tokens has none).
+        starts = seq_lens.cumsum(1) - seq_lens
+        rows_of = torch.arange(rows).unsqueeze(1).expand_as(starts)
+        present = seq_lens > 0
+        labels[rows_of[present], starts[present]] = -100
+        return {"input_ids": input_ids, "labels": labels, "document_ids": document_ids}
 
 
 class PackedCausalLM(torch.nn.Module):
