@@ -110,7 +110,9 @@ def check_padding_mask(attention_mask: object, shape, name: str = "attention_mas
         return None
     check_tensor(attention_mask, name)
     if attention_mask.dtype not in MASK_DTYPES:
-        raise ValueError(f"{name} must hold integers or bools (nonzero: a real token), got dtype {attention_mask.dtype}")
+        raise ValueError(
+            f"{name} must hold integers or bools (nonzero: a real token), got dtype {attention_mask.dtype}"
+        )
     if attention_mask.ndim != 2 or (shape is not None and tuple(attention_mask.shape) != tuple(shape)):
         expected = "[batch, sequence]" if shape is None else str(tuple(shape))
         raise ValueError(f"{name} must have shape {expected}, got {tuple(attention_mask.shape)}")

@@ -313,7 +313,7 @@ class PackedCollator:
 
 
 class PackedCausalLM(torch.nn.Module):
-    """A transformers causal LM that takes ``document_ids``: its inputs come from :func:`hf_model_inputs` in the forward.
+    """A transformers causal LM that takes ``document_ids``, its inputs built by :func:`hf_model_inputs` in the forward.
 
     ``Trainer(model=PackedCausalLM(model), data_collator=PackedCollator(sequence),
     args=TrainingArguments(..., torch_compile=True, remove_unused_columns=False))``

@@ -25,7 +25,12 @@ from packfn._ops import formats as _format_ops
 from packfn.formats import thd_metadata
 from packfn.masks import causal_band_mask
 
-__all__ = ["PackedSeqParams", "_get_ltor_masks_and_position_ids", "get_ltor_masks_and_position_ids", "packed_seq_params"]
+__all__ = [
+    "PackedSeqParams",
+    "_get_ltor_masks_and_position_ids",
+    "get_ltor_masks_and_position_ids",
+    "packed_seq_params",
+]
 
 
 @dataclasses.dataclass

@@ -147,7 +147,9 @@ def run(
                         over_floor = f"  floor x{seconds / floor:6.1f}" if floor else ""
                         counted = case.counts.get(label)
                         if counted:
-                            over_floor += f"  reads {counted['host_reads']} data-dependent {counted['data_dependent_ops']}"
+                            over_floor += (
+                                f"  reads {counted['host_reads']} data-dependent {counted['data_dependent_ops']}"
+                            )
                         print(
                             f"{case.family:>9} {case.name:<34} S={sequence:<6} mean={mean:<4} "
                             f"{label:<34} {seconds * 1e3:10.3f} ms  x{base / seconds:7.2f} vs {case.baseline}"

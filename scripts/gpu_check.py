@@ -179,7 +179,10 @@ def format_ops(mask: torch.Tensor, capacity: int) -> dict[str, tuple[Callable[..
             (positions, valid),
         ),
         "document_ids_from_eos": (lambda tokens: packfn.document_ids_from_eos(tokens, 0, pad_token_id=1001), (tokens,)),
-        "document_ids_from_seq_lens": (lambda seq_lens: packfn.document_ids_from_seq_lens(seq_lens, sequence), (seq_lens,)),
+        "document_ids_from_seq_lens": (
+            lambda seq_lens: packfn.document_ids_from_seq_lens(seq_lens, sequence),
+            (seq_lens,),
+        ),
         "document_ids_from_cu_seqlens": (lambda rows: packfn.document_ids_from_cu_seqlens(rows, sequence), (rows,)),
         "document_ids_from_cu_seqlens_flat": (
             lambda flat, valid: packfn.document_ids_from_cu_seqlens(flat, sequence, batch=batch, attention_mask=valid),

@@ -100,7 +100,7 @@ def thd_reference(mask: torch.Tensor, max_documents: int) -> tuple[list[int], li
     for n in lengths:
         running.append(running[-1] + n)
     cu = running + [running[-1]] * (slots + 1 - len(running))
-    padded = ([0] + starts[1:] if starts else [0]) + [total] * (slots + 1 - max(1, len(starts)))
+    padded = ([0, *starts[1:]] if starts else [0]) + [total] * (slots + 1 - max(1, len(starts)))
     return cu, padded
 
 

@@ -121,7 +121,7 @@ def _mask_ints(document_ids: torch.Tensor) -> torch.Tensor:
 
 
 def _positions_math(document_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Position ids ``[B, S]``, validity ``[B, S]`` and the mask-rule flags (NOTE [Position ids by two running maxima])."""
+    """Position ids ``[B, S]``, validity ``[B, S]``, the mask-rule flags (NOTE [Position ids by two running maxima])."""
     ids = _mask_ints(document_ids)
     sequence = ids.shape[1]
     running, last = ids.cummax(1)
@@ -405,7 +405,12 @@ def _from_eos_fake(
     """int64 ids and positions ``[batch, sequence]``, a bool loss mask, 1 rule flag."""
     new = input_ids.new_empty
     shape = input_ids.shape
-    return new(shape, dtype=torch.int64), new(shape, dtype=torch.int64), new(shape, dtype=torch.bool), new(1, dtype=torch.bool)
+    return (
+        new(shape, dtype=torch.int64),
+        new(shape, dtype=torch.int64),
+        new(shape, dtype=torch.bool),
+        new(1, dtype=torch.bool),
+    )
 
 
 def _eos_documents(input_ids, attention_mask, eos_token_ids, bos, pad_token_id):
@@ -433,10 +438,7 @@ def _eos_outputs(input_ids, documents, markers, valid, positions, vocab_size, re
     loss_mask = torch.ones(input_ids.shape, dtype=torch.bool, device=input_ids.device) if valid is None else valid
     if eod_mask_loss:
         loss_mask = loss_mask & ~markers
-    if vocab_size is None:
-        outside = _false(input_ids)
-    else:
-        outside = ((input_ids < 0) | (input_ids >= vocab_size)).any()
+    outside = _false(input_ids) if vocab_size is None else ((input_ids < 0) | (input_ids >= vocab_size)).any()
     return documents, positions, loss_mask, outside.unsqueeze(0)
 
 
@@ -462,13 +464,17 @@ def _from_eos_eager(
     plain = attention_mask is None and pad_token_id is None and input_ids.device.type == "cpu" and input_ids.numel()
     array = numpy_view(input_ids) if plain else None
     if array is not None:
-        return _eos_runs_cpu(array, eos_token_ids, bos, vocab_size, reset_position_ids, reset_attention_mask, eod_mask_loss)
+        return _eos_runs_cpu(
+            array, eos_token_ids, bos, vocab_size, reset_position_ids, reset_attention_mask, eod_mask_loss
+        )
     documents, markers, valid = _eos_documents(input_ids, attention_mask, eos_token_ids, bos, pad_token_id)
     positions = None
     if reset_position_ids:
         cpu = _positions_cpu(documents)
         positions = torch.from_numpy(cpu[0]) if cpu is not None else _eos_positions(documents, valid)
-    return _eos_outputs(input_ids, documents, markers, valid, positions, vocab_size, reset_attention_mask, eod_mask_loss)
+    return _eos_outputs(
+        input_ids, documents, markers, valid, positions, vocab_size, reset_attention_mask, eod_mask_loss
+    )
 
 
 def _eos_runs_cpu(array, eos_token_ids, bos, vocab_size, reset_position_ids, reset_attention_mask, eod_mask_loss):
@@ -512,7 +518,9 @@ def document_ids_from_eos_op(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     documents, markers, valid = _eos_documents(input_ids, attention_mask, eos_token_ids, bos, pad_token_id)
     positions = _eos_positions(documents, valid) if reset_position_ids else None
-    return _eos_outputs(input_ids, documents, markers, valid, positions, vocab_size, reset_attention_mask, eod_mask_loss)
+    return _eos_outputs(
+        input_ids, documents, markers, valid, positions, vocab_size, reset_attention_mask, eod_mask_loss
+    )
 
 
 # ------------------------------------------------------- from lengths
@@ -525,7 +533,7 @@ SEQ_LENS_RULES = (
 
 
 def _ends_at_or_before(ends: torch.Tensor, length: int) -> torch.Tensor:
-    """int64 ``[R, length]``: how many entries of each row of ``ends`` (``[R, D]``, sorted) are at or before each column.
+    """int64 ``[R, length]``: how many entries of each sorted row of ``ends`` (``[R, D]``) lie at or before a column.
 
     NOTE [Counting boundaries without a search]: each group of equal ends
     writes its size once, at its column (by a scatter whose targets are
@@ -559,7 +567,7 @@ def _ids_from_lengths(lengths: torch.Tensor, sequence: int) -> torch.Tensor:
 
 
 def _ids_from_lengths_cpu(table, sequence: int) -> torch.Tensor:
-    """:func:`_ids_from_lengths` of a NumPy int64 table (never negative) by one ``repeat`` of the slots (NOTE [Eager kernels])."""
+    """:func:`_ids_from_lengths` of a NumPy int64 table (never negative), by one ``repeat`` (NOTE [Eager kernels])."""
     batch, slots = table.shape
     ends = numpy.minimum(numpy.cumsum(table, axis=1), sequence)
     counts = numpy.diff(ends, axis=1, prepend=0, append=sequence)  # the lengths cut at the row end, then padding
@@ -623,9 +631,7 @@ def _cu_seqlens_flags(cu_seqlens: torch.Tensor, limit) -> tuple[torch.Tensor, li
     return bounds.clamp(0, limit), flags
 
 
-def _from_cu_seqlens_fake(
-    cu_seqlens: torch.Tensor, batch: int, sequence: int, attention_mask: torch.Tensor | None
-):
+def _from_cu_seqlens_fake(cu_seqlens: torch.Tensor, batch: int, sequence: int, attention_mask: torch.Tensor | None):
     """int64 ``[batch, sequence]`` and 5 rule flags."""
     ids = cu_seqlens.new_empty(batch, sequence, dtype=torch.int64)
     return ids, cu_seqlens.new_empty(len(CU_SEQLENS_RULES), dtype=torch.bool)

@@ -56,7 +56,15 @@ class DataDependentOps(TorchDispatchMode):
 
     HOST_READS = frozenset({"_local_scalar_dense", "equal"})
     DATA_DEPENDENT = frozenset(
-        {"nonzero", "nonzero_static", "masked_select", "repeat_interleave", "unique_consecutive", "_unique2", "unique_dim"}
+        {
+            "nonzero",
+            "nonzero_static",
+            "masked_select",
+            "repeat_interleave",
+            "unique_consecutive",
+            "_unique2",
+            "unique_dim",
+        }
     )
 
     def __init__(self) -> None:

@@ -132,7 +132,9 @@ def _position_id_cases(inputs: Inputs) -> list[Case]:
         )
     metadata["packfn eager"] = lambda: varlen(positions)
     metadata["packfn compiled"] = _compiled(varlen, positions)
-    cases.append(_case("position ids to varlen metadata", inputs, metadata, "torchtitan create_varlen_metadata_for_document"))
+    cases.append(
+        _case("position ids to varlen metadata", inputs, metadata, "torchtitan create_varlen_metadata_for_document")
+    )
     return cases
 
 
@@ -187,15 +189,15 @@ def _torchtune_cases(inputs: Inputs) -> list[Case]:
 
     variants = {}
     if torchtune_attention is not None:
-        variants["torchtune _get_document_ids_from_seq_lens"] = lambda: torchtune_attention._get_document_ids_from_seq_lens(
-            seq_lens
+        variants["torchtune _get_document_ids_from_seq_lens"] = lambda: (
+            torchtune_attention._get_document_ids_from_seq_lens(seq_lens)
         )
     variants["packfn eager"] = lambda: ours(table)
     variants["packfn compiled"] = _compiled(ours, table)
     cases = [_case("seq_lens to document ids", inputs, variants, "torchtune _get_document_ids_from_seq_lens")]
     if inputs.sequence <= DENSE_LIMIT:
-        packs = [{"tokens": torch.zeros(inputs.sequence, dtype=torch.int64), "labels": torch.zeros(inputs.sequence, dtype=torch.int64),
-                  "input_pos": torch.zeros(inputs.sequence, dtype=torch.int64), "seq_lens": pack} for pack in seq_lens]  # fmt: skip
+        zeros = torch.zeros(inputs.sequence, dtype=torch.int64)
+        packs = [{"tokens": zeros, "labels": zeros, "input_pos": zeros, "seq_lens": pack} for pack in seq_lens]
         collate = {}
         if torchtune_collate is not None:
             collate["torchtune padded_collate_packed"] = lambda: torchtune_collate.padded_collate_packed(packs)

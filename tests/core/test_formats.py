@@ -1,4 +1,4 @@
-"""Format conversions: round trips on generated packed batches, bad input, the eager kernels, compile, export, opcheck."""
+"""Format conversions: round trips on generated packed batches, bad input, eager kernels, compile, export, opcheck."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from torch._inductor.utils import run_and_get_code
 
 import packfn
 from packfn._ops import formats as ops
+
 from tests.assertions import assert_same, assert_same_outputs
 from tests.references import (
     eos_stream,
@@ -226,8 +227,8 @@ BAD_INPUT = [
      "cu_seqlens must not decrease"),
     ("cu_seqlens that overrun the row", lambda: packfn.document_ids_from_cu_seqlens(torch.tensor([[0, 3, 7]]), 6),
      "must not run past"),
-    ("cu_seqlens that overrun the stream", lambda: packfn.document_ids_from_cu_seqlens(torch.tensor([0, 13]), 6, batch=2),
-     "must not run past"),
+    ("cu_seqlens that overrun the stream",
+     lambda: packfn.document_ids_from_cu_seqlens(torch.tensor([0, 13]), 6, batch=2), "must not run past"),
     ("cu_seqlens that do not start at 0", lambda: packfn.document_ids_from_cu_seqlens(torch.tensor([[1, 3]]), 6),
      "must start at 0"),
     ("a boundary after -1", lambda: packfn.document_ids_from_cu_seqlens(torch.tensor([[0, 2, -1, 5]]), 6),
@@ -248,7 +249,8 @@ BAD_INPUT = [
     ("THD that begins with padding", lambda: packfn.thd_metadata(torch.tensor([[0, 1, 1]])), "begins with padding"),
     ("too many THD documents", lambda: packfn.thd_metadata(torch.tensor([[1, 2, 3]]), max_documents=2),
      "more documents than max_documents=2"),
-    ("decreasing ids to seq_idx", lambda: packfn.seq_idx_from_document_ids(torch.tensor([[2, 1]])), "must not decrease"),
+    ("decreasing ids to seq_idx", lambda: packfn.seq_idx_from_document_ids(torch.tensor([[2, 1]])),
+     "must not decrease"),
 ]  # fmt: skip
 
 
@@ -269,10 +271,11 @@ BAD_ARGUMENTS = [
     (lambda: packfn.document_ids_from_position_ids(torch.tensor([0, 1])), ValueError, r"shape \[batch, sequence\]"),
     (lambda: packfn.document_ids_from_position_ids(torch.tensor([[0, 1]]), attention_mask=torch.ones(1, 3)),
      ValueError, "attention_mask must hold integers or bools"),
-    (lambda: packfn.document_ids_from_position_ids(torch.tensor([[0, 1]]), start=-1), ValueError, "must not be negative"),
+    (lambda: packfn.document_ids_from_position_ids(torch.tensor([[0, 1]]), start=-1), ValueError,
+     "must not be negative"),
     (lambda: packfn.document_ids_from_cu_seqlens(torch.tensor([[0, 2]]), 4, batch=3), ValueError, "one table per row"),
     (lambda: packfn.document_ids_from_cu_seqlens(torch.tensor([0, 2]), 0), ValueError, "sequence must be positive"),
-    (lambda: packfn.document_ids_from_cu_seqlens(torch.tensor([0, 2]), 4, attention_mask=torch.ones(2, 3, dtype=torch.bool)),
+    (lambda: packfn.document_ids_from_cu_seqlens(torch.tensor([0, 2]), 4, attention_mask=torch.ones(2, 3) > 0),
      ValueError, r"attention_mask must have shape \(2, 4\), got \(2, 3\)"),
     (lambda: packfn.document_ids_from_seq_lens(torch.tensor([[2, 2]]), 4.0), TypeError, "sequence must be an int"),
     (lambda: packfn.thd_metadata(torch.tensor([[1, 1]]), max_documents=0), ValueError, "must be positive"),
@@ -395,7 +398,11 @@ def test_export_with_a_dynamic_sequence_then_runs_at_other_sizes():
     shapes = (per_token, per_token, per_token, None, None, {0: cu_entries}, per_token)
     program = torch.export.export(EveryFormat(), batch_in_every_format(8, seed=0), dynamic_shapes=shapes)
     nodes = {str(node.target) for node in program.graph.nodes if str(node.target).startswith("packfn.")}
-    assert {"packfn.position_ids.default", "packfn.document_ids_from_eos.default", "packfn.thd_metadata.default"} <= nodes
+    assert {
+        "packfn.position_ids.default",
+        "packfn.document_ids_from_eos.default",
+        "packfn.thd_metadata.default",
+    } <= nodes
     lowered = program.run_decompositions()
     assert not [node for node in lowered.graph.nodes if str(node.target).startswith("packfn.")]
     for seed, size in enumerate((2, 5, 31)):
@@ -455,7 +462,9 @@ def _meta(value):
     return value
 
 
-@pytest.mark.parametrize(("name", "args"), list(op_samples()), ids=lambda value: value if isinstance(value, str) else "")
+@pytest.mark.parametrize(
+    ("name", "args"), list(op_samples()), ids=lambda value: value if isinstance(value, str) else ""
+)
 def test_fake_kernel_and_decomposition_agree(name, args):
     op = getattr(torch.ops.packfn, name).default
     fake = op(*(_meta(arg) for arg in args))
@@ -466,6 +475,8 @@ def test_fake_kernel_and_decomposition_agree(name, args):
     assert_same(tuple(op(*args)), tuple(op.decompose(*args)))
 
 
-@pytest.mark.parametrize(("name", "args"), list(op_samples()), ids=lambda value: value if isinstance(value, str) else "")
+@pytest.mark.parametrize(
+    ("name", "args"), list(op_samples()), ids=lambda value: value if isinstance(value, str) else ""
+)
 def test_opcheck(name, args):
     torch.library.opcheck(getattr(torch.ops.packfn, name).default, args)

@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 
 import packfn
 from packfn.hf import PackedCollator
+
 from tests.assertions import assert_same
 from tests.strategies_formats import PackedRows, packed_rows
 
@@ -34,7 +35,11 @@ def position_rows(draw, max_batch: int = 3, max_sequence: int = 32) -> torch.Ten
         row = [draw(st.integers(0, 3))]
         for _ in range(sequence - 1):
             step = draw(st.sampled_from(["next", "next", "next", "zero", "jump", "same"]))
-            row.append({"next": row[-1] + 1, "zero": 0, "same": row[-1]}.get(step) if step != "jump" else draw(st.integers(0, 9)))
+            row.append(
+                {"next": row[-1] + 1, "zero": 0, "same": row[-1]}.get(step)
+                if step != "jump"
+                else draw(st.integers(0, 9))
+            )
         rows.append(row)
     return torch.tensor(rows, dtype=torch.int64)
 

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 import packfn
 from packfn import megatron
+
 from tests.assertions import assert_same, outcome
 from tests.references import megatron_ltor
 from tests.strategies_formats import PackedRows, packed_rows
@@ -45,11 +46,14 @@ def test_ltor_masks_and_position_ids_equal_megatron(data, eod, switches):
     assert_same(megatron.get_ltor_masks_and_position_ids(data, eod, *switches), upstream_ltor()(data, eod, *switches))
 
 
-@pytest.mark.parametrize("switches", [(True, False, False, False), (False, False, True, True), (False, False, False, True)])
+@pytest.mark.parametrize(
+    "switches", [(True, False, False, False), (False, False, True, True), (False, False, False, True)]
+)
 def test_ltor_errors_and_shapes_outside_one_dimension_are_megatron_s(switches):
     data = torch.tensor([[5, 0, 6, 7]])
-    ours, theirs = outcome(megatron.get_ltor_masks_and_position_ids, data, 0, *switches), outcome(
-        upstream_ltor(), data, 0, *switches
+    ours, theirs = (
+        outcome(megatron.get_ltor_masks_and_position_ids, data, 0, *switches),
+        outcome(upstream_ltor(), data, 0, *switches),
     )
     assert ours[0] == theirs[0]
     if ours[0] == "error":

@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from packfn import torchtune as ours
+
 from tests.assertions import assert_same, outcome
 
 torchtune = pytest.importorskip("torchtune")  # needs torchao 0.15.0 (the test extra pins it)
