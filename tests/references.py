@@ -118,7 +118,7 @@ def megatron_ltor(data, eod_token, reset_position_ids, reset_attention_mask, eod
     position_ids = torch.arange(seq_length, dtype=torch.long, device=data.device)
     if reset_position_ids or reset_attention_mask:
         previous = 0
-        for i in (data == eod_token).nonzero().flatten().tolist():
+        for i in position_ids[data == eod_token].tolist():  # the EOD positions, indexed as documented (1-d data)
             if reset_attention_mask and attention_mask is not None:
                 attention_mask[0, (i + 1) :, : (i + 1)] = 0
             if reset_position_ids:
