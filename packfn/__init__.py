@@ -8,13 +8,16 @@ to the host, and a compiled graph never specializes on a batch's contents.
 - layouts (:mod:`packfn.layout`): ``aligned_layout``, ``safe_budget``, ``PackedSequenceLayout``;
 - masks (:mod:`packfn.masks`): ``block_causal_mask``, ``document_mask_mod``, ``document_block_mask``;
 - varlen inputs (:mod:`packfn.varlen`): ``physical_varlen_metadata``, ``unpad``, ``pad``;
-- formats (:mod:`packfn.formats`): ``packed_position_ids``;
+- formats (:mod:`packfn.formats`): ``packed_position_ids``, ``document_ids_from_*`` (position ids, EOS,
+  ``cu_seqlens``, ``seq_lens``, ``seq_idx``), ``seq_idx_from_document_ids``, ``seq_lens_from_document_ids``,
+  ``thd_metadata``;
 - contracts (:mod:`packfn.contract`): ``packed_attention_inputs`` and the contract types;
 - the packer (:mod:`packfn.packer`): ``pack_documents``, ``pack_stream``, ``suggest_budgets``;
 - the loader (:mod:`packfn.data`): ``PackedDataset``;
 - distributed (:mod:`packfn.distributed`): ``shard_packed_batch`` and the local-query inputs of a rank.
 
-Integrations stand on the core: :mod:`packfn.hf` (transformers). The NeMo
+Integrations stand on the core: :mod:`packfn.hf` (transformers), :mod:`packfn.megatron`
+(Megatron-core), :mod:`packfn.torchtune`. The NeMo
 AutoModel drop-ins, which read the host once, are :mod:`packfn.nemo_automodel`.
 The ops themselves are ``torch.ops.packfn.*`` (:mod:`packfn._ops`).
 """
@@ -38,7 +41,19 @@ from packfn.distributed import (
     shard_packed_batch,
     split_batch_metadata,
 )
-from packfn.formats import packed_position_ids
+from packfn.formats import (
+    EosDocuments,
+    ThdMetadata,
+    document_ids_from_cu_seqlens,
+    document_ids_from_eos,
+    document_ids_from_position_ids,
+    document_ids_from_seq_idx,
+    document_ids_from_seq_lens,
+    packed_position_ids,
+    seq_idx_from_document_ids,
+    seq_lens_from_document_ids,
+    thd_metadata,
+)
 from packfn.layout import PackedSequenceLayout, aligned_layout, safe_budget
 from packfn.layout import aligned_length as aligned_length  # deprecated, not in __all__
 from packfn.masks import block_causal_mask, document_block_mask, document_mask_mod
@@ -52,6 +67,7 @@ __all__ = [
     "BudgetSuggestion",
     "CPShard",
     "CPVarlenMetadata",
+    "EosDocuments",
     "PackedBatch",
     "PackedDataset",
     "PackedMaskType",
@@ -60,6 +76,7 @@ __all__ = [
     "PhysicalVarlenMetadata",
     "Piece",
     "Pieces",
+    "ThdMetadata",
     "VarlenMetadata",
     "aligned_layout",
     "batch_metadata",
@@ -69,6 +86,11 @@ __all__ = [
     "cp_document_block_mask",
     "cp_varlen_metadata",
     "document_block_mask",
+    "document_ids_from_cu_seqlens",
+    "document_ids_from_eos",
+    "document_ids_from_position_ids",
+    "document_ids_from_seq_idx",
+    "document_ids_from_seq_lens",
     "document_mask_mod",
     "flatten_metadata",
     "pack_documents",
@@ -78,9 +100,12 @@ __all__ = [
     "pad",
     "physical_varlen_metadata",
     "safe_budget",
+    "seq_idx_from_document_ids",
+    "seq_lens_from_document_ids",
     "shard_packed_batch",
     "split_batch_metadata",
     "suggest_budgets",
+    "thd_metadata",
     "unpad",
     "varlen_metadata",
 ]

@@ -11,11 +11,16 @@ import torch
 
 __all__ = [
     "MASK_DTYPES",
+    "check_bool",
     "check_int",
+    "check_int_or_none",
     "check_integer_tensor",
     "check_mask",
+    "check_padding_mask",
     "check_positive_int",
+    "check_table",
     "check_tensor",
+    "check_token_ids",
     "is_int",
 ]
 
@@ -71,3 +76,56 @@ def check_mask(document_ids: object, *, name: str = "document_ids") -> torch.Ten
     if document_ids.numel() == 0:
         raise ValueError(f"{name} must not be empty, got shape {tuple(document_ids.shape)}")
     return document_ids
+
+
+def check_int_or_none(value: object, name: str, *, minimum: int | None = None) -> int | None:
+    """Return ``value`` if it is None or an int (or a SymInt) of at least ``minimum``, else raise."""
+    return None if value is None else check_int(value, name, minimum=minimum)
+
+
+def check_bool(value: object, name: str) -> bool:
+    """Return ``value`` if it is a Python bool, else raise ``TypeError``."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+    return value
+
+
+def check_table(tensor: object, name: str, *, ranks: tuple[int, ...] = (2,)) -> torch.Tensor:
+    """Return ``tensor`` if it is a non-empty integer (not bool) tensor of one of ``ranks``, else raise."""
+    check_integer_tensor(tensor, name)
+    if tensor.ndim not in ranks:
+        shapes = " or ".join({1: "[n]", 2: "[batch, sequence]"}.get(rank, f"rank {rank}") for rank in ranks)
+        raise ValueError(f"{name} must have shape {shapes}, got {tuple(tensor.shape)}")
+    if tensor.numel() == 0:
+        raise ValueError(f"{name} must not be empty, got shape {tuple(tensor.shape)}")
+    return tensor
+
+
+def check_padding_mask(attention_mask: object, shape, name: str = "attention_mask") -> torch.Tensor | None:
+    """Return ``attention_mask`` if it is None or an integer or bool tensor of ``shape``, else raise.
+
+    ``shape`` may be None (any ``[batch, sequence]``).
+    """
+    if attention_mask is None:
+        return None
+    check_tensor(attention_mask, name)
+    if attention_mask.dtype not in MASK_DTYPES:
+        raise ValueError(
+            f"{name} must hold integers or bools (nonzero: a real token), got dtype {attention_mask.dtype}"
+        )
+    if attention_mask.ndim != 2 or (shape is not None and tuple(attention_mask.shape) != tuple(shape)):
+        expected = "[batch, sequence]" if shape is None else str(tuple(shape))
+        raise ValueError(f"{name} must have shape {expected}, got {tuple(attention_mask.shape)}")
+    return attention_mask
+
+
+def check_token_ids(token_ids: object, name: str, *, vocab_size: int | None = None) -> list[int]:
+    """One token id or several as a list of ints, each in ``[0, vocab_size)`` (or not negative); else raise."""
+    ids = [token_ids] if is_int(token_ids) else token_ids
+    if not isinstance(ids, (list, tuple)) or not ids or not all(is_int(token) for token in ids):
+        raise TypeError(f"{name} must be an int or a non-empty list of ints, got {token_ids!r}")
+    for token in ids:
+        if isinstance(token, int) and (token < 0 or (vocab_size is not None and token >= vocab_size)):
+            where = "must not be negative" if vocab_size is None else f"is outside the vocabulary [0, {vocab_size})"
+            raise ValueError(f"{name} {token} {where}")
+    return list(ids)

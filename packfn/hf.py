@@ -38,7 +38,7 @@ from packfn.contract import FLASH_ATTENTION_IMPLEMENTATIONS, passthrough_inputs
 from packfn.masks import check_window, checked_block_mask
 from packfn.varlen import flash_kwargs
 
-__all__ = ["hf_model_inputs"]
+__all__ = ["PackedCausalLM", "PackedCollator", "hf_model_inputs"]
 
 _IMPLEMENTATIONS = ("eager", "sdpa", "flex_attention", *FLASH_ATTENTION_IMPLEMENTATIONS)
 
@@ -350,3 +350,114 @@ def _attention_masks(
         return mask(attention.layers[None])
     masks = {layer: mask(layer) for layer in dict.fromkeys(attention.layers.values())}
     return {layer_type: masks[layer] for layer_type, layer in attention.layers.items()}
+
+
+# ------------------------------------------------ Trainer: static packed batches
+
+
+def _int64_tensor(values: Any) -> torch.Tensor:
+    """A 1-d int64 tensor of a list (by NumPy where it is installed: several times faster) or of a tensor."""
+    if isinstance(values, torch.Tensor):
+        return values.to(torch.int64).reshape(-1)
+    from packfn._ops._cpu import numpy
+
+    if numpy is not None:
+        return torch.from_numpy(numpy.asarray(values, dtype=numpy.int64).reshape(-1))
+    return torch.as_tensor(values, dtype=torch.int64).reshape(-1)
+
+
+class PackedCollator:
+    """A ``transformers.Trainer`` / TRL data collator: static ``[batch, sequence]`` rows with their document ids.
+
+    Each feature is one row: ``input_ids`` (a list or a 1-d tensor), optional
+    ``labels`` (default: the input ids), and optionally the lengths of the
+    documents packed into it, ``seq_lengths`` (TRL's ``pack_dataset``) or
+    ``seq_lens``; without them the row is one document. Rows are padded to
+    ``sequence``, so every batch has the same shape: unlike
+    ``DataCollatorWithFlattening``, whose ``[1, T]`` changes with every batch,
+    one compiled graph serves every step. Pair it with :class:`PackedCausalLM`,
+    which turns the ids into the model's inputs inside that graph.
+
+    Returns a dict of int64 ``[batch, sequence]`` tensors: ``input_ids``
+    (``pad_token_id`` at padding), ``labels`` (-100 at padding and at each
+    document's first token, so the labels Trainer counts are the targets)
+    and ``document_ids`` (1-based per row, 0 at padding).
+
+    Args:
+        sequence: The row length (the pack size).
+        pad_token_id: The id written at padding.
+
+    Raises:
+        ValueError: a row longer than ``sequence``, or lengths that do not
+            add up to its tokens.
+    """
+
+    def __init__(self, sequence: int, *, pad_token_id: int = 0) -> None:
+        self.sequence = check_positive_int(sequence, "sequence")
+        self.pad_token_id = pad_token_id
+
+    def __call__(self, features: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        from packfn.formats import document_ids_from_seq_lens
+
+        rows = len(features)
+        input_ids = torch.full((rows, self.sequence), self.pad_token_id, dtype=torch.int64)
+        labels = torch.full((rows, self.sequence), -100, dtype=torch.int64)
+        tables = []
+        for row, feature in enumerate(features):
+            tokens = _int64_tensor(feature["input_ids"])
+            count = tokens.numel()
+            if count > self.sequence:
+                raise ValueError(f"feature {row} holds {count} tokens, more than sequence={self.sequence}")
+            lengths = feature.get("seq_lengths", feature.get("seq_lens", [count]))
+            lengths = torch.as_tensor(lengths, dtype=torch.int64).reshape(-1)
+            if int(lengths.sum()) != count:
+                raise ValueError(f"feature {row}: its lengths {lengths.tolist()} do not add up to its {count} tokens")
+            input_ids[row, :count] = tokens
+            labels[row, :count] = _int64_tensor(feature.get("labels", tokens))
+            tables.append(lengths)
+        width = max(1, max(table.numel() for table in tables))
+        seq_lens = torch.zeros(rows, width, dtype=torch.int64)
+        for row, table in enumerate(tables):
+            seq_lens[row, : table.numel()] = table
+        document_ids = document_ids_from_seq_lens(seq_lens, self.sequence)
+        # Each document's first token: where the lengths before it end (a document of no tokens has none).
+        starts = seq_lens.cumsum(1) - seq_lens
+        rows_of = torch.arange(rows).unsqueeze(1).expand_as(starts)
+        present = seq_lens > 0
+        labels[rows_of[present], starts[present]] = -100
+        return {"input_ids": input_ids, "labels": labels, "document_ids": document_ids}
+
+
+class PackedCausalLM(torch.nn.Module):
+    """A transformers causal LM that takes ``document_ids``, its inputs built by :func:`hf_model_inputs` in the forward.
+
+    ``Trainer(model=PackedCausalLM(model), data_collator=PackedCollator(sequence),
+    args=TrainingArguments(..., torch_compile=True, remove_unused_columns=False))``
+    then trains on packed rows with one compiled graph for every attention
+    backend (position ids, masks or flash boundaries and shifted labels are
+    built inside it, with no host sync). ``num_items_in_batch`` (Trainer's
+    count of labels) goes to the model's loss, so gradient accumulation
+    weighs every target alike. Save ``wrapper.model``.
+
+    Args:
+        model: A transformers causal LM.
+        **options: Keyword arguments of :func:`hf_model_inputs`
+            (``attn_implementation``, ``block_size``, ``sliding_window``, ``dtype``).
+    """
+
+    accepts_loss_kwargs = True
+
+    def __init__(self, model: torch.nn.Module, **options: Any) -> None:
+        super().__init__()
+        self.model = model
+        self.options = options
+
+    @property
+    def config(self) -> Any:
+        return self.model.config
+
+    def forward(
+        self, input_ids: torch.Tensor, document_ids: torch.Tensor, labels: torch.Tensor | None = None, **kwargs: Any
+    ) -> Any:
+        inputs = hf_model_inputs(document_ids, self.model.config, input_ids=input_ids, labels=labels, **self.options)
+        return self.model(**inputs, **kwargs)

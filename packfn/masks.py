@@ -23,7 +23,14 @@ from packfn._ops import masks as _ops
 from packfn._ops._registry import assert_rules
 from packfn._ops.metadata import mask_rules
 
-__all__ = ["block_causal_mask", "check_window", "checked_block_mask", "document_block_mask", "document_mask_mod"]
+__all__ = [
+    "block_causal_mask",
+    "causal_band_mask",
+    "check_window",
+    "checked_block_mask",
+    "document_block_mask",
+    "document_mask_mod",
+]
 
 
 def block_causal_mask(document_ids: torch.Tensor) -> torch.Tensor:
@@ -47,6 +54,28 @@ def block_causal_mask(document_ids: torch.Tensor) -> torch.Tensor:
     mask, broken = _ops.block_causal_mask_op(document_ids, True)
     assert_rules(broken, mask_rules(document_ids.shape[1]))
     return mask
+
+
+def causal_band_mask(first_columns: torch.Tensor, *, invert: bool = False) -> torch.Tensor:
+    """The dense block-causal mask of contiguous documents, from each token's document start, in two passes.
+
+    For documents without padding (EOS-delimited streams, ``seq_lens``
+    tables), query ``i`` attends exactly the keys ``first_columns[i] <= j <= i``:
+    a band, so the ``[sequence, sequence]`` mask is one comparison and one
+    ``tril``, with no id comparison. The eager drop-ins' dense masks
+    (:mod:`packfn.megatron`, :mod:`packfn.torchtune`) use it.
+
+    Args:
+        first_columns: int ``[batch, sequence]``: the column each token's
+            document begins at.
+        invert: Return True where a key is *not* attended (Megatron's convention).
+
+    Returns:
+        Bool ``[batch, sequence, sequence]``.
+    """
+    columns = torch.arange(first_columns.shape[1], device=first_columns.device)
+    mask = torch.ge(columns, first_columns.unsqueeze(2)).tril_()
+    return mask.logical_not_() if invert else mask
 
 
 def check_window(window: object, name: str = "window") -> int | None:

@@ -39,7 +39,7 @@ import torch
 
 from benchmarks.common import Case, make_inputs
 
-FAMILIES = ("metadata", "layout", "attention")
+FAMILIES = ("metadata", "layout", "attention", "formats")
 
 
 def keep_freed_memory() -> None:
@@ -141,9 +141,15 @@ def run(
                             "speedup": base / seconds,
                             "over_floor": seconds / floor if floor else None,
                             "notes": case.notes,
+                            **case.counts.get(label, {}),
                         }
                         rows.append(row)
                         over_floor = f"  floor x{seconds / floor:6.1f}" if floor else ""
+                        counted = case.counts.get(label)
+                        if counted:
+                            over_floor += (
+                                f"  reads {counted['host_reads']} data-dependent {counted['data_dependent_ops']}"
+                            )
                         print(
                             f"{case.family:>9} {case.name:<34} S={sequence:<6} mean={mean:<4} "
                             f"{label:<34} {seconds * 1e3:10.3f} ms  x{base / seconds:7.2f} vs {case.baseline}"

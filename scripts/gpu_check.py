@@ -145,6 +145,7 @@ def static_ops(inputs, alignment: int) -> dict[str, tuple[Callable[..., object],
         return aligned_layout(seq_lens, sequence_length=sequence, alignment=alignment, budget=budget)
 
     return {
+        **format_ops(mask, capacity),
         "varlen_metadata": (lambda mask: packfn.varlen_metadata(mask, max_documents=capacity), (mask,)),
         "batch_metadata": (lambda mask: packfn.batch_metadata(mask, max_documents=capacity), (mask,)),
         "flatten_metadata": (packfn.flatten_metadata, (narrow.packed_token_indices, narrow.cu_seqlens)),
@@ -156,6 +157,42 @@ def static_ops(inputs, alignment: int) -> dict[str, tuple[Callable[..., object],
             lambda mask, values: unpad(values, packfn.varlen_metadata(mask, max_documents=capacity)),
             (mask, inputs.values),
         ),
+    }
+
+
+def format_ops(mask: torch.Tensor, capacity: int) -> dict[str, tuple[Callable[..., object], tuple]]:
+    """The format conversions (``packfn.formats``) on one packed batch in each format, and back."""
+    import packfn
+
+    batch, sequence = mask.shape
+    valid = mask > 0
+    positions = packfn.packed_position_ids(mask)
+    ends = valid & (mask != torch.nn.functional.pad(mask, (0, 1))[:, 1:])
+    tokens = torch.where(ends, 0, 1 + torch.arange(sequence, device=mask.device) % 1000).masked_fill(~valid, 1001)
+    flat = packfn.physical_varlen_metadata(mask).cu_seqlens
+    rows = packfn.batch_metadata(mask, max_documents=capacity).cu_seqlens
+    seq_lens = packfn.seq_lens_from_document_ids(mask, max_documents=capacity)
+    return {
+        "packed_position_ids": (packfn.packed_position_ids, (mask,)),
+        "document_ids_from_position_ids": (
+            lambda positions, valid: packfn.document_ids_from_position_ids(positions, attention_mask=valid),
+            (positions, valid),
+        ),
+        "document_ids_from_eos": (lambda tokens: packfn.document_ids_from_eos(tokens, 0, pad_token_id=1001), (tokens,)),
+        "document_ids_from_seq_lens": (
+            lambda seq_lens: packfn.document_ids_from_seq_lens(seq_lens, sequence),
+            (seq_lens,),
+        ),
+        "document_ids_from_cu_seqlens": (lambda rows: packfn.document_ids_from_cu_seqlens(rows, sequence), (rows,)),
+        "document_ids_from_cu_seqlens_flat": (
+            lambda flat, valid: packfn.document_ids_from_cu_seqlens(flat, sequence, batch=batch, attention_mask=valid),
+            (flat, valid),
+        ),
+        "seq_idx_round_trip": (
+            lambda mask: packfn.document_ids_from_seq_idx(packfn.seq_idx_from_document_ids(mask), pad_index=-1),
+            (mask,),
+        ),
+        "thd_metadata": (lambda mask: packfn.thd_metadata(mask, max_documents=capacity), (mask,)),
     }
 
 
@@ -238,7 +275,7 @@ def _gradient_of(function, values: torch.Tensor, args: tuple) -> torch.Tensor:
 
 def section_compiled(arguments, inputs_by_sequence, mask_inputs) -> dict:
     import packfn
-    from packfn import aligned_layout, block_causal_mask, packed_position_ids, safe_budget, unpad
+    from packfn import aligned_layout, block_causal_mask, safe_budget, unpad
 
     from benchmarks.common import make_inputs
 
@@ -251,7 +288,6 @@ def section_compiled(arguments, inputs_by_sequence, mask_inputs) -> dict:
         for inputs in sizes:
             ops = static_ops(inputs, arguments.alignment)
             ops["block_causal_mask"] = (block_causal_mask, (inputs.document_ids,))
-            ops["position_ids"] = (packed_position_ids, (inputs.document_ids,))
             for name, (function, args) in ops.items():
                 key = f"{name}@{inputs.sequence}:{'dynamic' if dynamic else 'static'}"
                 try:

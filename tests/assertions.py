@@ -70,3 +70,14 @@ def assert_same_math(actual, expected, mask, atol=1e-10, rtol=1e-10) -> None:
         torch.testing.assert_close(got.to(want.dtype) * valid, want * valid, atol=atol, rtol=rtol)
     for grad in actual[1]:  # no query reads padding, and padding outputs carry no gradient
         assert not (grad * ~valid).any()
+
+
+def assert_same_outputs(op, *args) -> None:
+    """An op's eager kernel and decomposition agree (NOTE [Eager kernels]): equal outputs where no rule
+    breaks, otherwise the same first broken rule."""
+    expected, actual = op.math(*args), op.eager(*args)
+    if expected.broken.any() or actual.broken.any():
+        assert expected.broken.any() and actual.broken.any(), (args, expected.broken, actual.broken)
+        assert int(expected.broken.int().argmax()) == int(actual.broken.int().argmax()), (args, expected, actual)
+    else:
+        assert_same(tuple(actual), tuple(expected))

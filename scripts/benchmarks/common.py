@@ -8,8 +8,18 @@ from dataclasses import dataclass, field
 from functools import cached_property
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["FLOOR", "Case", "Inputs", "floor_variant", "make_inputs"]
+__all__ = [
+    "FLOOR",
+    "Case",
+    "DataDependentOps",
+    "Inputs",
+    "aten_ops_of",
+    "count_data_dependent",
+    "floor_variant",
+    "make_inputs",
+]
 
 
 @dataclass
@@ -30,6 +40,92 @@ class Case:
     notes: dict[str, str] = field(default_factory=dict)
     floor: str | None = None
     """A variant whose time is the floor of the job (one pass over the mask); rows report time over it."""
+    counts: dict[str, dict[str, int]] = field(default_factory=dict)
+    """Per variant, its host reads and data-dependent ops in one call (:func:`count_data_dependent`)."""
+
+
+class DataDependentOps(TorchDispatchMode):
+    """Counts the aten calls of eager code that read a value back to the host, or size an output by the data.
+
+    Host reads: ``_local_scalar_dense`` (``.item()``, ``int(t)``, ``if t``),
+    ``equal``. Data-dependent ops: ``nonzero`` (``t[mask]`` and
+    ``nonzero``), ``masked_select``, boolean ``index`` / ``index_put``,
+    ``repeat_interleave`` and ``unique``. ``.tolist()`` reads the host without
+    an aten call, so it is not seen.
+    """
+
+    HOST_READS = frozenset({"_local_scalar_dense", "equal"})
+    DATA_DEPENDENT = frozenset(
+        {
+            "nonzero",
+            "nonzero_static",
+            "masked_select",
+            "repeat_interleave",
+            "unique_consecutive",
+            "_unique2",
+            "unique_dim",
+        }
+    )
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.host_reads = 0
+        self.data_dependent = 0
+        self.ops: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        self.ops[name] = self.ops.get(name, 0) + 1
+        if name in self.HOST_READS:
+            self.host_reads += 1
+        boolean_index = name in ("index", "index_put", "index_put_") and any(
+            isinstance(index, torch.Tensor) and index.dtype == torch.bool for index in (args[1] or ())
+        )
+        if name in self.DATA_DEPENDENT or boolean_index:
+            self.data_dependent += 1
+        return func(*args, **(kwargs or {}))
+
+
+def count_data_dependent(function: Callable[[], object], *, decompose: bool = False) -> dict[str, int]:
+    """Host reads and data-dependent ops of one call of ``function``.
+
+    Without ``decompose``, counted under :class:`DataDependentOps` in eager
+    (a packfn op is one call, whatever its eager kernel does). With it, in
+    the aten graph AOTAutograd traces (packfn's ops decompose there: the
+    static path that compiled, exported and GPU code runs); a host read would
+    be a ``_local_scalar_dense`` node, or a graph break (``fullgraph``).
+    """
+    if not decompose:
+        mode = DataDependentOps()
+        with mode:
+            function()
+        return {"host_reads": mode.host_reads, "data_dependent_ops": mode.data_dependent}
+    names = aten_ops_of(function)  # a boolean-mask index traces to nonzero, counted with the rest
+    return {
+        "host_reads": sum(names.get(name, 0) for name in DataDependentOps.HOST_READS),
+        "data_dependent_ops": sum(names.get(name, 0) for name in DataDependentOps.DATA_DEPENDENT),
+    }
+
+
+def aten_ops_of(function: Callable[[], object]) -> dict[str, int]:
+    """How often each aten op appears in the forward graph AOTAutograd traces of ``function`` (``fullgraph``)."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    graphs: list[torch.fx.GraphModule] = []
+
+    def capture(graph_module, example_inputs):
+        graphs.append(graph_module)
+        return make_boxed_func(graph_module.forward)
+
+    torch.compile(function, backend=aot_autograd(fw_compiler=capture), fullgraph=True)()
+    names: dict[str, int] = {}
+    for graph in graphs:
+        for node in graph.graph.nodes:
+            if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
+                name = node.target.overloadpacket.__name__
+                names[name] = names.get(name, 0) + 1
+    return names
 
 
 FLOOR = "floor: (mask > 0).sum()"
