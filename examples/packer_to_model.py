@@ -34,7 +34,7 @@ class TinyDecoder(torch.nn.Module):
 
     def forward(self, input_ids: torch.Tensor, document_ids: torch.Tensor) -> torch.Tensor:  # [B, S] each
         x = self.embed(input_ids)
-        batch, sequence, hidden = x.shape
+        batch, sequence, _ = x.shape
         q, k, v = self.qkv(x).view(batch, sequence, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
         mask = packfn.block_causal_mask(document_ids)  # bool [B, 1, S, S]: each document sees only itself
         attended = F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2).reshape_as(x)

@@ -8,7 +8,10 @@ from functools import cached_property
 import torch
 from hypothesis import strategies as st
 
-from tests.references import ids_from_lengths
+import packfn
+
+from tests.references import eos_stream, ids_from_lengths, position_ids_reference
+from tests.strategies import EXAMPLE as EXAMPLE_IDS
 
 
 @dataclass(frozen=True)
@@ -81,3 +84,57 @@ def packed_rows(
             used += length
         rows.append(tuple(lengths))
     return PackedRows(sequence, tuple(rows))
+
+
+def batch_in_every_format(sequence: int, seed: int, batch: int = 3) -> tuple[torch.Tensor, ...]:
+    """A packed batch of at most 4 documents a row (row 0 never empty), in each format ``every_format`` takes."""
+    generator = torch.Generator().manual_seed(seed)
+    rows = []
+    for row in range(batch):
+        lengths, used = [], 0
+        while used < sequence and len(lengths) < 4:
+            length = int(torch.randint(1, sequence - used + 1, (), generator=generator))
+            if row and torch.rand((), generator=generator) < 0.25:
+                break
+            lengths.append(length)
+            used += length
+        rows.append(tuple(lengths))
+    packed = PackedRows(sequence, tuple(rows))
+    ids = packed.document_ids
+    seq_lens = torch.nn.functional.pad(packed.seq_lens, (0, 4 - packed.seq_lens.shape[1]))
+    cu_rows = torch.nn.functional.pad(packed.cu_seqlens, (0, 5 - packed.cu_seqlens.shape[1]), value=-1)
+    tokens = eos_stream(sequence, [list(r) for r in rows], eos=3, pad=0, tail=[False] * batch)
+    cu_flat = packfn.physical_varlen_metadata(ids).cu_seqlens
+    return ids, position_ids_reference(ids), tokens, seq_lens, cu_rows, cu_flat, packfn.seq_idx_from_document_ids(ids)
+
+
+def op_samples():
+    ids, positions, tokens, seq_lens, cu_rows, cu_flat, seq_idx = batch_in_every_format(9, seed=3)
+    valid = ids > 0
+    yield "position_ids", (ids,)
+    yield "position_ids", (torch.tensor([[0, 3, 3, 0, 3, 7, 7, 9, 9, 0, 0]], dtype=torch.int32),)
+    yield "position_ids", (EXAMPLE_IDS > 0,)
+    yield "document_positions", (ids.to(torch.uint8),)
+    yield "document_positions", (torch.tensor([[0, 3, 3, 0, 3, 7, 7, 9, 9, 0, 0]]),)
+    yield "document_positions", (torch.zeros(2, 1, dtype=torch.int64),)
+    yield "document_ids_from_position_ids", (positions, None, None, 0)
+    yield "document_ids_from_position_ids", (positions.int(), valid, None, None)
+    yield "document_ids_from_position_ids", (positions.masked_fill(~valid, -1), None, -1, 0)
+    yield "document_ids_from_eos", (tokens, None, [3], False, 0, 16, True, True, True)
+    yield "document_ids_from_eos", (tokens.int(), valid, [3, 5], True, None, None, False, True, False)
+    yield "document_ids_from_eos", (tokens, None, [3], False, None, None, True, False, False)
+    yield "document_ids_from_seq_lens", (seq_lens, 9)
+    yield "document_ids_from_seq_lens", (seq_lens.int(), 12)
+    yield "document_ids_from_seq_lens", (torch.zeros(2, 0, dtype=torch.int64), 3)
+    yield "document_ids_from_cu_seqlens", (cu_rows, 3, 9, None)
+    yield "document_ids_from_cu_seqlens", (cu_flat, 3, 9, valid)
+    yield "document_ids_from_cu_seqlens", (torch.tensor([0, 3, 5, 6], dtype=torch.int32), 1, 6, None)
+    yield "document_ids_from_seq_idx", (seq_idx, None, -1)
+    yield "document_ids_from_seq_idx", (seq_idx.long(), valid, None)
+    yield "document_ids_from_seq_idx", (torch.tensor([[0, 0, 1, 2]]), None, None)
+    yield "seq_idx_from_document_ids", (ids, -1)
+    yield "seq_idx_from_document_ids", (EXAMPLE_IDS > 0, 7)
+    yield "seq_idx_from_document_ids", (torch.tensor([[0, 3, 3, 0, 5]], dtype=torch.int32), -1)
+    yield "thd_metadata", (ids, 4)
+    yield "thd_metadata", (EXAMPLE_IDS.int(), 300)
+    yield "thd_metadata", (EXAMPLE_IDS > 0, 1)

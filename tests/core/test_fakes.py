@@ -32,6 +32,7 @@ from packfn._ops import layout as layout_ops
 from packfn._ops import metadata as metadata_ops
 
 from tests.strategies import EXAMPLE
+from tests.strategies_formats import op_samples
 from tests.strategies_layout import random_values
 
 NAMESPACE = "packfn"
@@ -195,6 +196,16 @@ SAMPLES = {
     "pad": _pad_samples,
 }
 """Sample inputs per op whose fake runs on the ``meta`` device. ``_sizes`` (its fake needs a ShapeEnv) is below."""
+
+
+def _format_samples(op_name: str):
+    """The format ops' samples (tests/strategies_formats.py), for the fake checks here."""
+    return lambda: ((str(index), args) for index, (name, args) in enumerate(op_samples()) if name == op_name)
+
+
+SAMPLES.update(
+    {name: _format_samples(name) for name in dict.fromkeys(name for name, _ in op_samples()) if name not in SAMPLES}
+)
 
 SHAPE_ENV_FAKES = {"_sizes"}
 

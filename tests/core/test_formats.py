@@ -25,7 +25,7 @@ from tests.references import (
     thd_reference,
 )
 from tests.strategies import packing_masks
-from tests.strategies_formats import PackedRows, packed_rows
+from tests.strategies_formats import PackedRows, batch_in_every_format, op_samples, packed_rows
 
 EXAMPLE = torch.tensor([[1, 1, 2, 2, 2, 0], [1, 1, 1, 1, 0, 0]])
 SETTINGS = settings(max_examples=60)
@@ -312,28 +312,6 @@ def every_format(document_ids, position_ids, tokens, seq_lens, cu_rows, cu_flat,
     )
 
 
-def batch_in_every_format(sequence: int, seed: int, batch: int = 3) -> tuple[torch.Tensor, ...]:
-    """A packed batch of at most 4 documents a row (row 0 never empty), in each format ``every_format`` takes."""
-    generator = torch.Generator().manual_seed(seed)
-    rows = []
-    for row in range(batch):
-        lengths, used = [], 0
-        while used < sequence and len(lengths) < 4:
-            length = int(torch.randint(1, sequence - used + 1, (), generator=generator))
-            if row and torch.rand((), generator=generator) < 0.25:
-                break
-            lengths.append(length)
-            used += length
-        rows.append(tuple(lengths))
-    packed = PackedRows(sequence, tuple(rows))
-    ids = packed.document_ids
-    seq_lens = torch.nn.functional.pad(packed.seq_lens, (0, 4 - packed.seq_lens.shape[1]))
-    cu_rows = torch.nn.functional.pad(packed.cu_seqlens, (0, 5 - packed.cu_seqlens.shape[1]), value=-1)
-    tokens = eos_stream(sequence, [list(r) for r in rows], eos=3, pad=0, tail=[False] * batch)
-    cu_flat = packfn.physical_varlen_metadata(ids).cu_seqlens
-    return ids, position_ids_reference(ids), tokens, seq_lens, cu_rows, cu_flat, packfn.seq_idx_from_document_ids(ids)
-
-
 def test_static_path_reads_nothing_back_and_sizes_nothing_by_data():
     """Every op's decomposition (what compiled, exported and GPU code runs), in the graph AOTAutograd traces."""
     from scripts.benchmarks.common import DataDependentOps, aten_ops_of
@@ -413,38 +391,6 @@ def test_export_with_a_dynamic_sequence_then_runs_at_other_sizes():
 
 
 # -------------------------------------------------------------- fakes, opcheck
-
-
-def op_samples():
-    ids, positions, tokens, seq_lens, cu_rows, cu_flat, seq_idx = batch_in_every_format(9, seed=3)
-    valid = ids > 0
-    yield "position_ids", (ids,)
-    yield "position_ids", (torch.tensor([[0, 3, 3, 0, 3, 7, 7, 9, 9, 0, 0]], dtype=torch.int32),)
-    yield "position_ids", (EXAMPLE > 0,)
-    yield "document_positions", (ids.to(torch.uint8),)
-    yield "document_positions", (torch.tensor([[0, 3, 3, 0, 3, 7, 7, 9, 9, 0, 0]]),)
-    yield "document_positions", (torch.zeros(2, 1, dtype=torch.int64),)
-    yield "document_ids_from_position_ids", (positions, None, None, 0)
-    yield "document_ids_from_position_ids", (positions.int(), valid, None, None)
-    yield "document_ids_from_position_ids", (positions.masked_fill(~valid, -1), None, -1, 0)
-    yield "document_ids_from_eos", (tokens, None, [3], False, 0, 16, True, True, True)
-    yield "document_ids_from_eos", (tokens.int(), valid, [3, 5], True, None, None, False, True, False)
-    yield "document_ids_from_eos", (tokens, None, [3], False, None, None, True, False, False)
-    yield "document_ids_from_seq_lens", (seq_lens, 9)
-    yield "document_ids_from_seq_lens", (seq_lens.int(), 12)
-    yield "document_ids_from_seq_lens", (torch.zeros(2, 0, dtype=torch.int64), 3)
-    yield "document_ids_from_cu_seqlens", (cu_rows, 3, 9, None)
-    yield "document_ids_from_cu_seqlens", (cu_flat, 3, 9, valid)
-    yield "document_ids_from_cu_seqlens", (torch.tensor([0, 3, 5, 6], dtype=torch.int32), 1, 6, None)
-    yield "document_ids_from_seq_idx", (seq_idx, None, -1)
-    yield "document_ids_from_seq_idx", (seq_idx.long(), valid, None)
-    yield "document_ids_from_seq_idx", (torch.tensor([[0, 0, 1, 2]]), None, None)
-    yield "seq_idx_from_document_ids", (ids, -1)
-    yield "seq_idx_from_document_ids", (EXAMPLE > 0, 7)
-    yield "seq_idx_from_document_ids", (torch.tensor([[0, 3, 3, 0, 5]], dtype=torch.int32), -1)
-    yield "thd_metadata", (ids, 4)
-    yield "thd_metadata", (EXAMPLE.int(), 300)
-    yield "thd_metadata", (EXAMPLE > 0, 1)
 
 
 FORMAT_OPS = sorted({name for name, _ in op_samples()})
