@@ -315,28 +315,3 @@ def thd_reference(mask: torch.Tensor, max_documents: int) -> tuple[list[int], li
     cu = running + [running[-1]] * (slots + 1 - len(running))
     padded = ([0, *starts[1:]] if starts else [0]) + [total] * (slots + 1 - max(1, len(starts)))
     return cu, padded
-
-
-def megatron_ltor(data, eod_token, reset_position_ids, reset_attention_mask, eod_mask_loss, create_attention_mask):
-    """megatron-core's ``_get_ltor_masks_and_position_ids`` as documented (0.16 to 0.19), for when it is absent."""
-    seq_length = data.numel()
-    attention_mask = (
-        torch.tril(torch.ones((seq_length, seq_length), device=data.device)).unsqueeze(0)
-        if create_attention_mask
-        else None
-    )
-    loss_mask = torch.ones(seq_length, dtype=torch.float, device=data.device)
-    if eod_mask_loss:
-        loss_mask[data == eod_token] = 0.0
-    position_ids = torch.arange(seq_length, dtype=torch.long, device=data.device)
-    if reset_position_ids or reset_attention_mask:
-        previous = 0
-        for i in position_ids[data == eod_token].tolist():  # the EOD positions, indexed as documented (1-d data)
-            if reset_attention_mask and attention_mask is not None:
-                attention_mask[0, (i + 1) :, : (i + 1)] = 0
-            if reset_position_ids:
-                position_ids[(i + 1) :] -= i + 1 - previous
-                previous = i + 1
-    if attention_mask is not None:
-        attention_mask = attention_mask < 0.5
-    return attention_mask, loss_mask, position_ids

@@ -28,12 +28,12 @@ def test_readme_example_runs_as_pasted():
     exec(compile(blocks[0], "README.md", "exec"), {"__name__": "readme_example"})
 
 
-def test_readme_links_every_example_folder_and_docs_page():
+def test_readme_links_every_example_and_docs_page():
     readme = (ROOT / "README.md").read_text()
     for target in re.findall(r"\]\(((?:docs|examples|profiles)/[^)#]*)", readme):
         assert (ROOT / target).exists(), target
-    for page in (ROOT / "docs").glob("*.md"):
-        assert f"docs/{page.name}" in readme, f"README does not link docs/{page.name}"
+    for page in [*(ROOT / "docs").glob("*.md"), *EXAMPLES.glob("*.py")]:
+        assert f"]({page.relative_to(ROOT).as_posix()}" in readme, f"README does not link {page.relative_to(ROOT)}"
 
 
 @pytest.mark.parametrize(

@@ -12,23 +12,22 @@ import os
 import sys
 import types
 
-import pytest
 import torch
+
+# Imported while collecting: a module that puts sys.modules back after a test (mock.patch.dict) must find
+# datasets there already, or the next import registers its pyarrow types twice.
+import torchtitan
+import transformers
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from transformers import masking_utils
+from trl.trainer import sft_trainer as trl_sft
 
 import packfn
 from packfn.hf import PackedCollator
 
 from tests.assertions import assert_same
 from tests.strategies_formats import PackedRows, packed_rows
-
-# Imported while collecting: a module that puts sys.modules back after a test (mock.patch.dict) must find
-# datasets there already, or the next import registers its pyarrow types twice.
-try:
-    from trl.trainer import sft_trainer as trl_sft
-except ImportError:
-    trl_sft = None
 
 SETTINGS = settings(max_examples=40)
 
@@ -57,7 +56,6 @@ def position_rows(draw, max_batch: int = 3, max_sequence: int = 32) -> torch.Ten
 @SETTINGS
 @given(positions=position_rows())
 def test_equal_to_transformers_find_packed_sequence_indices(positions):
-    masking_utils = pytest.importorskip("transformers.masking_utils")
     expected = masking_utils.find_packed_sequence_indices(positions)
     ids = packfn.document_ids_from_position_ids(positions, start=None)
     if expected is None:  # transformers' answer when every row is one sequence
@@ -69,7 +67,6 @@ def test_equal_to_transformers_find_packed_sequence_indices(positions):
 @SETTINGS
 @given(lengths=st.lists(st.integers(1, 9), min_size=1, max_size=6), start=st.sampled_from([0, 2]))
 def test_data_collator_with_flattening_outputs_convert_alike(lengths, start):
-    transformers = pytest.importorskip("transformers")
     features = [{"input_ids": list(range(10 * k, 10 * k + n))} for k, n in enumerate(lengths)]
     collator = transformers.DataCollatorWithFlattening(
         return_flash_attn_kwargs=True, return_seq_idx=True, position_ids_start=start
@@ -92,8 +89,6 @@ def test_data_collator_with_flattening_outputs_convert_alike(lengths, start):
 @SETTINGS
 @given(rows=packed_rows(max_batch=3, allow_empty_rows=False), multiple=st.sampled_from([None, 8]))
 def test_trl_padding_free_collator_outputs_convert_alike(rows: PackedRows, multiple):
-    if trl_sft is None:
-        pytest.skip("trl is not installed")
     features = [
         {"input_ids": list(range(1, sum(lengths) + 1)), "seq_lengths": list(lengths)} for lengths in rows.lengths
     ]
@@ -116,7 +111,6 @@ def test_trl_padding_free_collator_outputs_convert_alike(rows: PackedRows, multi
 @functools.cache
 def torchtitan_attention():
     """``torchtitan.models.common.attention`` without running its package ``__init__`` (which needs triton)."""
-    torchtitan = pytest.importorskip("torchtitan")
     name = "torchtitan.models.common"
     if name not in sys.modules:
         importlib.import_module("torchtitan.models")

@@ -9,18 +9,17 @@ recompiles are Dynamo's, and the C++ compile would take most of the time.
 
 from __future__ import annotations
 
+import accelerate  # noqa: F401  (Trainer needs it)
 import pytest
 import torch
+import transformers
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch._dynamo.utils import counters
 
-transformers = pytest.importorskip("transformers")
-pytest.importorskip("accelerate")
+from packfn.hf import PackedCausalLM, PackedCollator
 
-from packfn.hf import PackedCausalLM, PackedCollator  # noqa: E402
-
-from tests.assertions import assert_same  # noqa: E402
+from tests.assertions import assert_same
 
 SEQUENCE = 24
 ROWS = [[5, 9, 3], [24], [2, 2, 2, 7], [11, 6]]  # documents per row; the last rows leave padding

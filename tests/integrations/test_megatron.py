@@ -1,33 +1,27 @@
 """packfn.megatron against megatron-core: the ltor masks drop-in and THD PackedSeqParams.
 
-The oracle is megatron-core's ``_get_ltor_masks_and_position_ids`` where it is
-installed (0.16.1 on Python 3.11, 0.19.2 on 3.12: the function is the same),
-else a reference written from its documented behaviour (tests/references.py).
+The oracle is megatron-core's ``_get_ltor_masks_and_position_ids``: 0.16.1
+on Python 3.11 (the test extra), 0.19.2 on Python 3.12 (``.ci/run`` runs this
+file there too); the function is the same in both.
 """
 
 from __future__ import annotations
 
-import functools
-
+import megatron.core.packed_seq_params as megatron_packed_seq_params
 import pytest
 import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
+from megatron.core.datasets.gpt_dataset import _get_ltor_masks_and_position_ids
 
 import packfn
 from packfn import megatron
 
 from tests.assertions import assert_same, outcome
-from tests.references import megatron_ltor
 from tests.strategies_formats import PackedRows, packed_rows
 
 
-@functools.cache
 def upstream_ltor():
-    try:
-        from megatron.core.datasets.gpt_dataset import _get_ltor_masks_and_position_ids
-    except ImportError:
-        return megatron_ltor
     return _get_ltor_masks_and_position_ids
 
 
@@ -86,7 +80,7 @@ def test_packed_seq_params_are_static_thd(rows: PackedRows):
 
 
 def test_packed_seq_params_fill_megatron_s_class_when_it_is_loaded():
-    upstream = pytest.importorskip("megatron.core.packed_seq_params")
+    upstream = megatron_packed_seq_params
     params = megatron.packed_seq_params(torch.tensor([[1, 1, 2, 2, 2, 0], [1, 1, 1, 1, 0, 0]]), max_documents=2)
     assert type(params) is upstream.PackedSeqParams
     own = {field for field in megatron.PackedSeqParams.__dataclass_fields__}

@@ -2,19 +2,18 @@
 
 from __future__ import annotations
 
-import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+# torchtune 0.6.1 needs torchao 0.15.0 (installed with --no-deps by the README's test command).
+from torchtune.data import padded_collate_packed
+from torchtune.datasets import PackedDataset
+from torchtune.modules.attention_utils import _get_document_ids_from_seq_lens
+
 from packfn import torchtune as ours
 
 from tests.assertions import assert_same, outcome
-
-torchtune = pytest.importorskip("torchtune")  # needs torchao 0.15.0 (the test extra pins it)
-from torchtune.data import padded_collate_packed  # noqa: E402
-from torchtune.datasets import PackedDataset  # noqa: E402
-from torchtune.modules.attention_utils import _get_document_ids_from_seq_lens  # noqa: E402
 
 
 def samples(lengths: list[int]) -> list[dict[str, list[int]]]:

@@ -70,7 +70,6 @@ def test_main_job_packs_under_the_packer_budget_not_the_worst_case(profiled):
 
 
 def test_main_job_reports_three_drivers_on_equal_losses(profiled):
-    pytest.importorskip("nemo_automodel.components.models.deepseek_v41.packing")
     _, printed = profiled
     report = _report(printed).splitlines()
     titles = ["upstream eager", "upstream torch.compile", "packfn torch.compile(fullgraph=True)"]
