@@ -240,8 +240,8 @@ class PackedBatch:
         self,
         documents: Sequence | Mapping,
         *,
-        padding: int = 0,
-        dtype: torch.dtype = torch.int64,
+        padding: int | float = 0,
+        dtype: torch.dtype | None = None,
     ) -> torch.Tensor:
         """Lay the documents' tokens out in the packed rows.
 
@@ -250,9 +250,12 @@ class PackedBatch:
                 index (a list for :func:`pack_documents`, a list or a
                 ``{index: tokens}`` mapping over the stream for
                 :func:`pack_stream`); each a 1-D tensor or a list of its
-                ``n`` token ids (or any per-token values: labels, ...).
+                ``n`` token ids (or any per-token values: labels, loss
+                weights, ...).
             padding: Value written at padding columns.
-            dtype: dtype of the result.
+            dtype: dtype of the result; by default the first document's
+                (a tensor's own, int64 for a list of ints, float32 for a
+                list of floats).
 
         Returns:
             ``dtype`` ``[batch, sequence]``: each piece's tokens at its
@@ -261,21 +264,32 @@ class PackedBatch:
             is ``[1, 2, 3, 4]`` (document 0 opens row 0).
 
         Raises:
-            ValueError: a document's token count is not the length it was
-                packed with, or its tokens are not 1-D.
+            ValueError: ``documents`` has no entry for a packed document, a
+                document's token count is not the length it was packed
+                with, its tokens are not 1-D, or it holds floating values
+                and ``dtype`` is not floating (they would be truncated).
         """
         pieces = self.pieces
         slices = []
         for document, offset, length, total in zip(
             pieces.document.tolist(), pieces.offset.tolist(), pieces.length.tolist(), pieces.total.tolist(), strict=True
         ):
-            tokens = torch.as_tensor(documents[document], dtype=dtype)
-            if tokens.ndim != 1 or tokens.shape[0] != total:
+            try:
+                values = torch.as_tensor(documents[document])
+            except (KeyError, IndexError):
+                raise ValueError(f"documents has no entry for document {document}, which this batch packs") from None
+            dtype = values.dtype if dtype is None else dtype
+            if (values.is_floating_point() or values.is_complex()) and not (dtype.is_floating_point or dtype.is_complex):
                 raise ValueError(
-                    f"document {document} was packed with {total} tokens, got tokens of shape {tuple(tokens.shape)}"
+                    f"document {document} holds {values.dtype} values, which gather(dtype={dtype}) would truncate; "
+                    "pass a floating dtype"
                 )
-            slices.append(tokens[offset : offset + length])
-        out = torch.full((self.batch * self.sequence,), padding, dtype=dtype)
+            if values.ndim != 1 or values.shape[0] != total:
+                raise ValueError(
+                    f"document {document} was packed with {total} tokens, got tokens of shape {tuple(values.shape)}"
+                )
+            slices.append(values[offset : offset + length].to(dtype))
+        out = torch.full((self.batch * self.sequence,), padding, dtype=torch.int64 if dtype is None else dtype)
         if slices:
             out.index_copy_(
                 0, token_positions(pieces.row * self.sequence + pieces.column, pieces.length), torch.cat(slices)

@@ -316,3 +316,21 @@ def test_gather_checks_the_token_counts():
         packed.gather([[1] * 5, [1] * 4])
     with pytest.raises(ValueError, match="document 0 was packed with 5 tokens"):
         packed.gather([torch.ones(5, 1), [1] * 3])
+
+
+def test_gather_keeps_floating_values_and_refuses_to_truncate_them():
+    packed = pack_documents([3, 2], sequence=8, alignment=1, max_documents=2)
+    weights = packed.gather([[0.5, 1.5, 2.5], torch.tensor([4.0, 5.0])])
+    assert weights.dtype == torch.float32
+    assert weights[0, :5].tolist() == [0.5, 1.5, 2.5, 4.0, 5.0]
+    assert packed.gather([[1, 2, 3], [4, 5]]).dtype == torch.int64
+    assert packed.gather([torch.tensor([1, 2, 3], dtype=torch.int32), [4, 5]]).dtype == torch.int32
+    with pytest.raises(ValueError, match=r"document 0 holds torch.float32 values, which gather\(dtype=torch.int64\)"):
+        packed.gather([[0.5, 1.5, 2.5], [4.0, 5.0]], dtype=torch.int64)
+
+
+def test_gather_names_a_document_the_mapping_lacks():
+    packed = pack_documents([3, 2], sequence=8, alignment=1, max_documents=2)
+    for documents in ({0: [1, 2, 3]}, [[1, 2, 3]]):
+        with pytest.raises(ValueError, match="documents has no entry for document 1, which this batch packs"):
+            packed.gather(documents)
