@@ -9,6 +9,8 @@ the most room to hand out views of shared buffers), eager too.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -17,6 +19,10 @@ import packfn
 DOCUMENT_IDS = torch.randint(0, 4, (4, 256), generator=torch.Generator().manual_seed(0)).sort(1).values
 VALUES = torch.randn(4, 256, 8)
 SEQ_LENS = torch.tensor([[100, 90, 0], [256, 0, 0], [5, 5, 5], [1, 0, 1]])
+
+
+# Names taken outside the compiled function: torch 2.11 cannot trace vars() of a frozen dataclass.
+LAYOUT_FIELDS = [field.name for field in dataclasses.fields(packfn.PackedSequenceLayout)]
 
 
 def every_output(document_ids: torch.Tensor, values: torch.Tensor, seq_lens: torch.Tensor) -> dict:
@@ -36,7 +42,7 @@ def every_output(document_ids: torch.Tensor, values: torch.Tensor, seq_lens: tor
             f"physical_varlen_metadata.{k}": v
             for k, v in packfn.physical_varlen_metadata(document_ids)._asdict().items()
         },
-        **{f"aligned_layout.{k}": v for k, v in vars(layout).items()},
+        **{f"aligned_layout.{k}": getattr(layout, k) for k in LAYOUT_FIELDS},
         "packed_position_ids": packfn.packed_position_ids(document_ids),
         "block_causal_mask": packfn.block_causal_mask(document_ids),
         "unpad": packfn.unpad(values, varlen),
