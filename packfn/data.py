@@ -86,8 +86,8 @@ class _Tokens(NamedTuple):
 # ------------------------------------------------------------------ reading examples
 
 
-def _token_tensor(values: object, index: int, name: str) -> torch.Tensor:
-    """A 1-D int64 tensor of an example's ``name`` (``input_ids`` or ``labels``), or a clear error."""
+def _token_tensor(values: object, index: int, name: str, *, kind: str = "example") -> torch.Tensor:
+    """A 1-D int64 tensor of an example's (or a collator feature's) ``name`` (``input_ids``, ``labels``)."""
     if isinstance(values, list) and values and set(map(type, values)) == {int}:
         try:  # plain ints: through a C array, several times faster than torch.as_tensor on a list
             return torch.frombuffer(array.array("q", values), dtype=torch.int64)
@@ -97,15 +97,22 @@ def _token_tensor(values: object, index: int, name: str) -> torch.Tensor:
         tensor = torch.as_tensor(values)
     except (TypeError, ValueError, RuntimeError):
         raise TypeError(
-            f"example {index}: {name} must be a sequence of integer token ids, got {type(values).__name__}"
+            f"{kind} {index}: {name} must be a sequence of integer token ids, got {type(values).__name__}"
         ) from None
     if tensor.numel() == 0 and tensor.ndim == 1:
         return tensor.to(torch.int64)  # an empty example: its caller names the problem
     if tensor.dtype.is_floating_point or tensor.dtype.is_complex or tensor.dtype == torch.bool:
-        raise TypeError(f"example {index}: {name} must hold integer token ids, got dtype {tensor.dtype}")
+        raise TypeError(f"{kind} {index}: {name} must hold integer token ids, got dtype {tensor.dtype}")
     if tensor.ndim != 1:
-        raise ValueError(f"example {index}: {name} must be 1-D, got shape {tuple(tensor.shape)}")
+        raise ValueError(f"{kind} {index}: {name} must be 1-D, got shape {tuple(tensor.shape)}")
+    _check_int64(tensor, f"{kind} {index}: {name}")
     return tensor.to(torch.int64)
+
+
+def _check_int64(tensor: torch.Tensor, name: str) -> None:
+    """Raise ``ValueError`` for unsigned 64-bit ids that int64 cannot hold (they would turn negative)."""
+    if tensor.dtype == torch.uint64 and tensor.numel() and bool((tensor.view(torch.int64) < 0).any()):
+        raise ValueError(f"{name} holds token ids of 2**63 or more, which int64 cannot hold")
 
 
 def _decode(example: object, index: int) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -118,7 +125,13 @@ def _decode(example: object, index: int) -> tuple[torch.Tensor, torch.Tensor | N
         if example.get("labels") is not None:
             labels = _token_tensor(example["labels"], index, "labels")
         if example.get("loss_mask") is not None:
-            loss_mask = torch.as_tensor(example["loss_mask"])
+            try:
+                loss_mask = torch.as_tensor(example["loss_mask"])
+            except (TypeError, ValueError, RuntimeError):
+                raise TypeError(
+                    f"example {index}: loss_mask must be a sequence of 0 / 1 (or bool) entries, "
+                    f"got {type(example['loss_mask']).__name__}"
+                ) from None
     else:
         token_like = isinstance(example, (Sequence, torch.Tensor)) or hasattr(example, "__array_interface__")
         if isinstance(example, (str, bytes)) or not token_like:
@@ -191,7 +204,10 @@ class _Examples:
         import pyarrow as pa
         import pyarrow.compute as pc
 
-        table = self.arrow[documents] if documents else self.arrow[0:0]
+        if not documents:  # nothing to read (an empty dataset's column may even be typed null)
+            nothing = torch.zeros(0, dtype=torch.int64)
+            return _Tokens(nothing, nothing, None if lengths_only else nothing, None)
+        table = self.arrow[documents]
         columns = {name: table.column(name).combine_chunks() for name in table.column_names}
         for name, column in columns.items():
             if not (pa.types.is_list(column.type) or pa.types.is_large_list(column.type)):
@@ -210,6 +226,9 @@ class _Examples:
             name: torch.from_numpy(column.flatten().to_numpy(zero_copy_only=False, writable=True))
             for name, column in columns.items()
         }
+        for name in ("input_ids", "labels"):
+            if name in flat:
+                _check_int64(flat[name], f"column {name!r}")
         tokens = flat["input_ids"].to(torch.int64)
         labels = flat["labels"].to(torch.int64) if "labels" in flat else None
         for name in ("labels", "loss_mask"):
@@ -217,8 +236,9 @@ class _Examples:
                 counts = pc.list_value_length(columns[name]).fill_null(-1).to_numpy(zero_copy_only=False, writable=True)
                 wrong = torch.nonzero(torch.from_numpy(counts).long() != length).reshape(-1)
                 if wrong.numel():
+                    null = " (it is null: give every example one, or drop the column)" if counts[wrong[0]] < 0 else ""
                     raise ValueError(
-                        f"example {documents[int(wrong[0])]}: {name} must have as many entries as input_ids"
+                        f"example {documents[int(wrong[0])]}: {name} must have as many entries as input_ids{null}"
                     )
         if "loss_mask" in flat:
             labels = (tokens if labels is None else labels).masked_fill(flat["loss_mask"] == 0, IGNORE_INDEX)

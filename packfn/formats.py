@@ -345,13 +345,17 @@ def seq_idx_from_document_ids(document_ids: torch.Tensor, *, pad_index: int = -1
         back), ``pad_index`` at padding.
 
     Raises:
-        ValueError / TypeError: a malformed mask or ``pad_index``.
-        RuntimeError: (a sync-free assert) negative or decreasing ids.
+        ValueError / TypeError: a malformed mask, or a ``pad_index`` that
+            is not an int32.
+        RuntimeError: (a sync-free assert) negative or decreasing ids, or
+            an id above ``2**31``.
     """
     check_mask(document_ids)
     pad_index = check_int(pad_index, "pad_index")
+    if not -(2**31) <= pad_index < 2**31:
+        raise ValueError(f"pad_index must fit in int32 (seq_idx's dtype), got {pad_index}")
     seq_idx, broken = _ops.seq_idx_from_document_ids_op(document_ids, pad_index)
-    assert_rules(broken, mask_rules(document_ids.shape[1]))
+    assert_rules(broken, (*mask_rules(document_ids.shape[1]), _ops.SEQ_IDX_RANGE_RULE))
     return seq_idx
 
 

@@ -22,13 +22,14 @@ does not matter (``tests/integrations/test_hf.py`` pins both facts).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch.nn.attention.flex_attention import BlockMask
 
-from packfn._checks import check_mask, check_positive_int
+from packfn._checks import check_int, check_mask, check_positive_int
 from packfn._ops import formats as _format_ops
 from packfn._ops import masks as _mask_ops
 from packfn._ops import varlen as _varlen_ops
@@ -355,17 +356,6 @@ def _attention_masks(
 # ------------------------------------------------ Trainer: static packed batches
 
 
-def _int64_tensor(values: Any) -> torch.Tensor:
-    """A 1-d int64 tensor of a list (by NumPy where it is installed: several times faster) or of a tensor."""
-    if isinstance(values, torch.Tensor):
-        return values.to(torch.int64).reshape(-1)
-    from packfn._ops._cpu import numpy
-
-    if numpy is not None:
-        return torch.from_numpy(numpy.asarray(values, dtype=numpy.int64).reshape(-1))
-    return torch.as_tensor(values, dtype=torch.int64).reshape(-1)
-
-
 class PackedCollator:
     """A ``transformers.Trainer`` / TRL data collator: static ``[batch, sequence]`` rows with their document ids.
 
@@ -388,32 +378,46 @@ class PackedCollator:
         pad_token_id: The id written at padding.
 
     Raises:
-        ValueError: a row longer than ``sequence``, or lengths that do not
+        ValueError / TypeError: no features, a feature without ``input_ids``,
+            ids that are not 1-D integers, labels of another length, a row
+            longer than ``sequence``, or lengths that are negative or do not
             add up to its tokens.
     """
 
     def __init__(self, sequence: int, *, pad_token_id: int = 0) -> None:
         self.sequence = check_positive_int(sequence, "sequence")
-        self.pad_token_id = pad_token_id
+        self.pad_token_id = check_int(pad_token_id, "pad_token_id")
 
     def __call__(self, features: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        from packfn.data import _token_tensor
         from packfn.formats import document_ids_from_seq_lens
 
         rows = len(features)
+        if rows == 0:
+            raise ValueError("PackedCollator got no features (a batch needs at least one row)")
         input_ids = torch.full((rows, self.sequence), self.pad_token_id, dtype=torch.int64)
         labels = torch.full((rows, self.sequence), -100, dtype=torch.int64)
         tables = []
         for row, feature in enumerate(features):
-            tokens = _int64_tensor(feature["input_ids"])
+            if not isinstance(feature, Mapping) or feature.get("input_ids") is None:
+                raise ValueError(f"feature {row} has no 'input_ids'")
+            tokens = _token_tensor(feature["input_ids"], row, "input_ids", kind="feature")
             count = tokens.numel()
             if count > self.sequence:
                 raise ValueError(f"feature {row} holds {count} tokens, more than sequence={self.sequence}")
+            targets = tokens
+            if feature.get("labels") is not None:
+                targets = _token_tensor(feature["labels"], row, "labels", kind="feature")
+                if targets.numel() != count:
+                    raise ValueError(f"feature {row}: its {targets.numel()} labels do not match its {count} tokens")
             lengths = feature.get("seq_lengths", feature.get("seq_lens", [count]))
-            lengths = torch.as_tensor(lengths, dtype=torch.int64).reshape(-1)
+            lengths = _token_tensor(lengths, row, "seq_lengths", kind="feature")
+            if bool((lengths < 0).any()):
+                raise ValueError(f"feature {row}: its lengths {lengths.tolist()} hold a negative length")
             if int(lengths.sum()) != count:
                 raise ValueError(f"feature {row}: its lengths {lengths.tolist()} do not add up to its {count} tokens")
             input_ids[row, :count] = tokens
-            labels[row, :count] = _int64_tensor(feature.get("labels", tokens))
+            labels[row, :count] = targets
             tables.append(lengths)
         width = max(1, max(table.numel() for table in tables))
         seq_lens = torch.zeros(rows, width, dtype=torch.int64)

@@ -178,7 +178,8 @@ def flatten_metadata(packed_token_indices: torch.Tensor, cu_seqlens: torch.Tenso
 
     Returns:
         :class:`VarlenMetadata` with ``cu_seqlens`` ``[batch * D + 1]`` in
-        the dtype of ``cu_seqlens`` and ``indices`` holding the flattened
+        the dtype of ``cu_seqlens`` (int32 for a narrower one, which could
+        not hold boundaries that add up over the rows) and ``indices`` holding the flattened
         index values of the valid tokens first, then the padding positions.
 
     Raises:
@@ -200,6 +201,8 @@ def flatten_metadata(packed_token_indices: torch.Tensor, cu_seqlens: torch.Tenso
             f"cu_seqlens must have shape [batch, D + 1] with at least one document slot (D >= 1), "
             f"got {tuple(cu_seqlens.shape)}"
         )
+    if torch.iinfo(cu_seqlens.dtype).bits < 32:
+        cu_seqlens = cu_seqlens.to(torch.int32)
     flat = _ops.flatten_metadata_op(packed_token_indices, cu_seqlens)
     assert_rules(flat.broken, _ops.FLATTEN_RULES)
     seqlens = flat.cu_seqlens[1:] - flat.cu_seqlens[:-1]

@@ -73,12 +73,12 @@ import operator
 from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cached_property, reduce
 from typing import NamedTuple
 
 import torch
 
-from packfn._checks import check_positive_int
+from packfn._checks import check_bool, check_positive_int
 from packfn._deprecated import deprecated
 from packfn._utils import cdiv, round_up
 
@@ -253,9 +253,9 @@ class PackedBatch:
                 ``n`` token ids (or any per-token values: labels, loss
                 weights, ...).
             padding: Value written at padding columns.
-            dtype: dtype of the result; by default the first document's
-                (a tensor's own, int64 for a list of ints, float32 for a
-                list of floats).
+            dtype: dtype of the result; by default the documents' dtypes
+                promoted together (a tensor's own, int64 for a list of
+                ints, float32 for a list of floats).
 
         Returns:
             ``dtype`` ``[batch, sequence]``: each piece's tokens at its
@@ -266,8 +266,9 @@ class PackedBatch:
         Raises:
             ValueError: ``documents`` has no entry for a packed document, a
                 document's token count is not the length it was packed
-                with, its tokens are not 1-D, or it holds floating values
-                and ``dtype`` is not floating (they would be truncated).
+                with, its tokens are not 1-D, or it holds values ``dtype``
+                cannot hold (floating values an integral ``dtype`` would
+                truncate, integers outside its range).
         """
         pieces = self.pieces
         slices = []
@@ -278,21 +279,21 @@ class PackedBatch:
                 values = torch.as_tensor(documents[document])
             except (KeyError, IndexError):
                 raise ValueError(f"documents has no entry for document {document}, which this batch packs") from None
-            dtype = values.dtype if dtype is None else dtype
-            if (values.is_floating_point() or values.is_complex()) and not (dtype.is_floating_point or dtype.is_complex):
-                raise ValueError(
-                    f"document {document} holds {values.dtype} values, which gather(dtype={dtype}) would truncate; "
-                    "pass a floating dtype"
-                )
             if values.ndim != 1 or values.shape[0] != total:
                 raise ValueError(
                     f"document {document} was packed with {total} tokens, got tokens of shape {tuple(values.shape)}"
                 )
-            slices.append(values[offset : offset + length].to(dtype))
-        out = torch.full((self.batch * self.sequence,), padding, dtype=torch.int64 if dtype is None else dtype)
+            slices.append((document, values[offset : offset + length]))
+        if dtype is None:
+            dtype = reduce(torch.promote_types, [values.dtype for _, values in slices]) if slices else torch.int64
+        for document, values in slices:
+            _check_holds(values, dtype, document)
+        out = torch.full((self.batch * self.sequence,), padding, dtype=dtype)
         if slices:
             out.index_copy_(
-                0, token_positions(pieces.row * self.sequence + pieces.column, pieces.length), torch.cat(slices)
+                0,
+                token_positions(pieces.row * self.sequence + pieces.column, pieces.length),
+                torch.cat([values.to(dtype) for _, values in slices]),
             )
         return out.view(self.batch, self.sequence)
 
@@ -306,6 +307,22 @@ def token_positions(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor
 
 
 # ------------------------------------------------------------------ checks
+
+
+def _check_holds(values: torch.Tensor, dtype: torch.dtype, document: int) -> None:
+    """Raise ``ValueError`` where ``values`` would not survive a cast to ``dtype`` (truncated, or wrapped)."""
+    if dtype.is_floating_point or dtype.is_complex:
+        return
+    if values.is_floating_point() or values.is_complex():
+        raise ValueError(
+            f"document {document} holds {values.dtype} values, which gather(dtype={dtype}) would truncate; "
+            "pass a floating dtype"
+        )
+    if values.numel() and values.dtype != dtype:
+        info = torch.iinfo(dtype) if dtype != torch.bool else None
+        low, high = (0, 1) if info is None else (info.min, info.max)
+        if int(values.min()) < low or int(values.max()) > high:
+            raise ValueError(f"document {document} holds values outside [{low}, {high}], which {dtype} cannot hold")
 
 
 class _Budgets(NamedTuple):
@@ -370,10 +387,14 @@ def _lengths_tensor(lengths: object, first: int = 0) -> torch.Tensor:
         if lengths.dtype.is_floating_point or lengths.dtype.is_complex or lengths.dtype == torch.bool:
             kind = "a bool" if lengths.dtype == torch.bool else f"Tensor of dtype {lengths.dtype}"
             raise TypeError(f"document {first}: a length must be an int, got {kind}")
+        if lengths.ndim > 1:
+            raise ValueError(f"lengths must be 1-D (one length per document), got shape {tuple(lengths.shape)}")
         values = lengths.reshape(-1).to(torch.int64)
     elif hasattr(lengths, "__array_interface__") and getattr(lengths, "dtype", None) is not None:
         if lengths.dtype.kind not in "iu":  # a NumPy array
             raise TypeError(f"document {first}: a length must be an int, got an array of dtype {lengths.dtype}")
+        if lengths.ndim > 1:
+            raise ValueError(f"lengths must be 1-D (one length per document), got shape {tuple(lengths.shape)}")
         values = torch.as_tensor(lengths).reshape(-1).to(torch.int64)
     else:
         _check_iterable(lengths)
@@ -996,6 +1017,7 @@ def pack_stream(
     budgets = _budgets(sequence, alignment, max_documents, budget, pad_to_multiple_of, split, strategy)
     batch = check_positive_int(batch, "batch")
     window = check_positive_int(window, "window")
+    drop_last = check_bool(drop_last, "drop_last")
     _check_iterable(lengths)
     return _stream(iter(lengths), batch, budgets, drop_last, window)
 

@@ -120,12 +120,18 @@ def op_samples():
     yield "document_ids_from_position_ids", (positions, None, None, 0)
     yield "document_ids_from_position_ids", (positions.int(), valid, None, None)
     yield "document_ids_from_position_ids", (positions.masked_fill(~valid, -1), None, -1, 0)
+    yield (
+        "document_ids_from_position_ids",
+        (torch.cat([torch.arange(256), torch.arange(3)]).to(torch.uint8)[None], None, None, 0),
+    )
     yield "document_ids_from_eos", (tokens, None, [3], False, 0, 16, True, True, True)
     yield "document_ids_from_eos", (tokens.int(), valid, [3, 5], True, None, None, False, True, False)
     yield "document_ids_from_eos", (tokens, None, [3], False, None, None, True, False, False)
+    yield "document_ids_from_eos", (tokens.to(torch.uint8), None, [3, 259], False, 256, 300, True, True, False)
     yield "document_ids_from_seq_lens", (seq_lens, 9)
     yield "document_ids_from_seq_lens", (seq_lens.int(), 12)
     yield "document_ids_from_seq_lens", (torch.zeros(2, 0, dtype=torch.int64), 3)
+    yield "document_ids_from_seq_lens", (torch.tensor([[2**62] * 4 + [2], [1, 0, 0, 0, 0]]), 4)  # a sum that wraps
     yield "document_ids_from_cu_seqlens", (cu_rows, 3, 9, None)
     yield "document_ids_from_cu_seqlens", (cu_flat, 3, 9, valid)
     yield "document_ids_from_cu_seqlens", (torch.tensor([0, 3, 5, 6], dtype=torch.int32), 1, 6, None)
@@ -135,6 +141,7 @@ def op_samples():
     yield "seq_idx_from_document_ids", (ids, -1)
     yield "seq_idx_from_document_ids", (EXAMPLE_IDS > 0, 7)
     yield "seq_idx_from_document_ids", (torch.tensor([[0, 3, 3, 0, 5]], dtype=torch.int32), -1)
+    yield "seq_idx_from_document_ids", (torch.tensor([[0, 2**32, 2**32 + 1]]), -1)  # beyond int32
     yield "thd_metadata", (ids, 4)
     yield "thd_metadata", (EXAMPLE_IDS.int(), 300)
     yield "thd_metadata", (EXAMPLE_IDS > 0, 1)

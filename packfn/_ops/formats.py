@@ -57,6 +57,7 @@ from packfn._ops.metadata import (
 
 __all__ = [
     "CU_SEQLENS_RULES",
+    "SEQ_IDX_RANGE_RULE",
     "SEQ_IDX_RULES",
     "SEQ_LENS_RULES",
     "THD_RULES",
@@ -307,12 +308,19 @@ class IdsOutputs(NamedTuple):
     broken: torch.Tensor  # bool [len(rules)]
 
 
+def _holds(dtype: torch.dtype, value: int) -> bool:
+    """Whether ``dtype`` holds ``value`` (a tensor compared with an int it cannot hold wraps it: uint8 256 == 0)."""
+    if dtype == torch.bool:
+        return value in (0, 1)
+    return torch.iinfo(dtype).min <= value <= torch.iinfo(dtype).max
+
+
 def _valid_tokens(
     values: torch.Tensor, attention_mask: torch.Tensor | None, pad_value: int | None
 ) -> torch.Tensor | None:
     """Bool ``[B, S]``: not padding (a nonzero mask entry, a value other than ``pad_value``); None without padding."""
     valid = None if attention_mask is None else attention_mask != 0
-    if pad_value is not None:
+    if pad_value is not None and _holds(values.dtype, pad_value):  # a value the dtype cannot hold marks nothing
         real = values != pad_value
         valid = real if valid is None else valid & real
     return valid
@@ -342,6 +350,7 @@ def _from_position_ids_eager(
         return tuple(document_ids_from_position_ids_op.math(position_ids, attention_mask, pad_position, start))
     starts = numpy.empty(array.shape, dtype=numpy.bool_)
     starts[:, 0] = True
+    array = array.astype(numpy.int64, copy=False)  # a difference in a narrow dtype wraps (255 -> 0 in uint8)
     numpy.not_equal(array[:, 1:] - array[:, :-1], 1, out=starts[:, 1:])
     first, length, index = _document_runs(starts)
     # Inside a document the positions count up by 1, so its first one is its smallest.
@@ -413,10 +422,15 @@ def _from_eos_fake(
     )
 
 
+def _held(dtype: torch.dtype, token_ids: list[int]) -> list[int]:
+    """The ids a token of ``dtype`` can equal (NOTE in :func:`_holds`)."""
+    return [token for token in token_ids if _holds(dtype, token)]
+
+
 def _eos_documents(input_ids, attention_mask, eos_token_ids, bos, pad_token_id):
     """Document ids ``[B, S]`` (0 at padding), the marker tokens and the valid tokens (None without padding)."""
     markers = torch.zeros(input_ids.shape, dtype=torch.bool, device=input_ids.device)
-    for token in eos_token_ids:
+    for token in _held(input_ids.dtype, eos_token_ids):
         markers = markers | (input_ids == token)
     valid = _valid_tokens(input_ids, attention_mask, pad_token_id)
     if bos:
@@ -438,7 +452,12 @@ def _eos_outputs(input_ids, documents, markers, valid, positions, vocab_size, re
     loss_mask = torch.ones(input_ids.shape, dtype=torch.bool, device=input_ids.device) if valid is None else valid
     if eod_mask_loss:
         loss_mask = loss_mask & ~markers
-    outside = _false(input_ids) if vocab_size is None else ((input_ids < 0) | (input_ids >= vocab_size)).any()
+    if vocab_size is None:
+        outside = _false(input_ids)
+    elif _holds(input_ids.dtype, vocab_size):
+        outside = ((input_ids < 0) | (input_ids >= vocab_size)).any()
+    else:  # every token the dtype holds is below vocab_size
+        outside = (input_ids < 0).any()
     return documents, positions, loss_mask, outside.unsqueeze(0)
 
 
@@ -465,7 +484,13 @@ def _from_eos_eager(
     array = numpy_view(input_ids) if plain else None
     if array is not None:
         return _eos_runs_cpu(
-            array, eos_token_ids, bos, vocab_size, reset_position_ids, reset_attention_mask, eod_mask_loss
+            array,
+            _held(input_ids.dtype, eos_token_ids),
+            bos,
+            vocab_size,
+            reset_position_ids,
+            reset_attention_mask,
+            eod_mask_loss,
         )
     documents, markers, valid = _eos_documents(input_ids, attention_mask, eos_token_ids, bos, pad_token_id)
     positions = None
@@ -480,8 +505,8 @@ def _from_eos_eager(
 def _eos_runs_cpu(array, eos_token_ids, bos, vocab_size, reset_position_ids, reset_attention_mask, eod_mask_loss):
     """:func:`_from_eos_eager` of a padding-free CPU stream: documents are the runs between markers."""
     shape = array.shape
-    markers = array == eos_token_ids[0]
-    for token in eos_token_ids[1:]:
+    markers = numpy.zeros(shape, dtype=numpy.bool_)
+    for token in eos_token_ids:
         markers |= array == token
     starts = numpy.empty(shape, dtype=numpy.bool_)
     starts[:, 0] = True
@@ -583,7 +608,9 @@ def _from_seq_lens_fake(seq_lens: torch.Tensor, sequence: int):
 
 
 def _seq_lens_flags(lengths: torch.Tensor, sequence: int) -> torch.Tensor:
-    return torch.stack([(lengths < 0).any(), (lengths.clamp_min(0).sum(1) > sequence).any()])
+    # Clamped to the row first, so that no sum of huge lengths wraps below it.
+    overrun = (lengths.clamp(0, sequence + 1).sum(1) > sequence).any()
+    return torch.stack([(lengths < 0).any(), overrun])
 
 
 def _from_seq_lens_eager(seq_lens: torch.Tensor, sequence: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -591,14 +618,16 @@ def _from_seq_lens_eager(seq_lens: torch.Tensor, sequence: int) -> tuple[torch.T
     if table is None:
         return tuple(document_ids_from_seq_lens_op.math(seq_lens, sequence))
     table = table.astype(numpy.int64)
-    broken = numpy.array([(table < 0).any(), (numpy.maximum(table, 0).sum(1) > sequence).any()])
-    return _ids_from_lengths_cpu(numpy.maximum(table, 0), sequence), torch.from_numpy(broken)
+    negative = (table < 0).any()
+    table = numpy.clip(table, 0, sequence + 1)  # as _seq_lens_flags: no sum wraps
+    broken = numpy.array([negative, (table.sum(1) > sequence).any()])
+    return _ids_from_lengths_cpu(table, sequence), torch.from_numpy(broken)
 
 
 @packfn_op("document_ids_from_seq_lens", fake=_from_seq_lens_fake, outputs=IdsOutputs, eager=_from_seq_lens_eager)
 def document_ids_from_seq_lens_op(seq_lens: torch.Tensor, sequence: int) -> tuple[torch.Tensor, torch.Tensor]:
     lengths = seq_lens.to(torch.int64)
-    return _ids_from_lengths(lengths.clamp_min(0), sequence), _seq_lens_flags(lengths, sequence)
+    return _ids_from_lengths(lengths.clamp(0, sequence + 1), sequence), _seq_lens_flags(lengths, sequence)
 
 
 CU_SEQLENS_RULES = (
@@ -695,16 +724,20 @@ def document_ids_from_seq_idx_op(
     return ids, torch.stack([negative, decreasing])
 
 
+SEQ_IDX_RANGE_RULE = Rule("document ids must be at most 2**31 (seq_idx is int32: the id minus 1)")
+"""The rule ``packfn::seq_idx_from_document_ids`` flags after the mask rules."""
+
+
 class SeqIdxOutputs(NamedTuple):
     """Outputs of ``packfn::seq_idx_from_document_ids``."""
 
     seq_idx: torch.Tensor  # int32 [batch, sequence]: the document id minus 1, pad_index at padding
-    broken: torch.Tensor  # bool [3]: mask_rules
+    broken: torch.Tensor  # bool [4]: mask_rules, then SEQ_IDX_RANGE_RULE
 
 
 def _to_seq_idx_fake(document_ids: torch.Tensor, pad_index: int):
-    """int32 ``[batch, sequence]`` and the mask-rule flags."""
-    return document_ids.new_empty(document_ids.shape, dtype=torch.int32), broken_fake(document_ids)
+    """int32 ``[batch, sequence]`` and 4 rule flags."""
+    return document_ids.new_empty(document_ids.shape, dtype=torch.int32), document_ids.new_empty(4, dtype=torch.bool)
 
 
 def _mask_rule_flags(document_ids: torch.Tensor) -> torch.Tensor:
@@ -719,7 +752,7 @@ def _mask_rule_flags(document_ids: torch.Tensor) -> torch.Tensor:
 def seq_idx_from_document_ids_op(document_ids: torch.Tensor, pad_index: int) -> tuple[torch.Tensor, torch.Tensor]:
     ids = document_ids.to(torch.int64)
     seq_idx = torch.where(ids != 0, ids - 1, pad_index).to(torch.int32)
-    return seq_idx, _mask_rule_flags(document_ids)
+    return seq_idx, torch.cat([_mask_rule_flags(document_ids), (ids > 2**31).any().unsqueeze(0)])
 
 
 # ------------------------------------------------------------------ THD

@@ -292,6 +292,37 @@ def test_a_document_longer_than_a_row_raises_without_split():
 def test_labels_of_another_length_raise():
     with pytest.raises(ValueError, match="example 0: labels must have as many entries as input_ids"):
         _first([{"input_ids": [1, 2], "labels": [1]}])
+    datasets = pytest.importorskip("datasets")
+    with pytest.raises(ValueError, match="example 1: labels must have as many entries as input_ids \\(it is null"):
+        _first(datasets.Dataset.from_dict({"input_ids": [[1], [2, 3]], "labels": [[1], None]}))
+
+
+def test_a_loss_mask_that_is_not_a_mask_raises_naming_the_example():
+    with pytest.raises(TypeError, match="example 1: loss_mask must be a sequence of 0 / 1"):
+        _first([{"input_ids": [1]}, {"input_ids": [2, 3], "loss_mask": "yes"}])
+
+
+def test_unsigned_ids_beyond_int64_raise_instead_of_turning_negative():
+    import numpy
+
+    huge = numpy.array([2**63 + 5, 1], dtype=numpy.uint64)
+    with pytest.raises(ValueError, match=r"example 0: input_ids holds token ids of 2\*\*63 or more"):
+        _first([huge])
+    datasets = pytest.importorskip("datasets")
+    with pytest.raises(ValueError, match=r"column 'input_ids' holds token ids of 2\*\*63 or more"):
+        import pyarrow
+
+        column = pyarrow.array([huge.tolist()], type=pyarrow.list_(pyarrow.uint64()))
+        _first(datasets.Dataset(pyarrow.table({"input_ids": column})))
+    assert _first([huge[1:]])["input_ids"][0, 0] == 1  # uint64 ids that fit are taken
+
+
+def test_an_empty_dataset_yields_nothing_as_an_empty_list_does():
+    datasets = pytest.importorskip("datasets")
+    assert list(PackedDataset([], batch=1, sequence=8, max_documents=4)) == []
+    assert (
+        list(PackedDataset(datasets.Dataset.from_dict({"input_ids": []}), batch=1, sequence=8, max_documents=4)) == []
+    )
 
 
 def test_a_state_dict_from_a_loader_with_other_settings_raises():

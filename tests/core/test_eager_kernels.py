@@ -12,7 +12,7 @@ from packfn._ops import metadata as ops
 from packfn._ops import varlen as varlen_ops
 from packfn._ops._cpu import numpy_views
 
-from tests.assertions import assert_same
+from tests.assertions import assert_same, assert_same_outputs
 from tests.strategies import packing_masks
 from tests.strategies_layout import layout_inputs
 
@@ -22,16 +22,6 @@ EAGER_OPS = [ops.varlen_metadata_op, ops.batch_metadata_op]
 def test_every_listed_op_has_its_own_eager_kernel():
     for op in EAGER_OPS:
         assert op.eager is not op.math
-
-
-def assert_same_outputs(op, *args) -> None:
-    """Equal outputs where no rule breaks; otherwise the same first broken rule."""
-    expected, actual = op.math(*args), op.eager(*args)
-    if expected.broken.any() or actual.broken.any():
-        assert expected.broken.any() and actual.broken.any(), (args, expected.broken, actual.broken)
-        assert int(expected.broken.int().argmax()) == int(actual.broken.int().argmax()), (args, expected, actual)
-    else:
-        assert_same(tuple(actual), tuple(expected))
 
 
 @pytest.mark.parametrize("op", EAGER_OPS, ids=lambda op: op.__name__)

@@ -251,6 +251,15 @@ BAD_INPUT = [
      "more documents than max_documents=2"),
     ("decreasing ids to seq_idx", lambda: packfn.seq_idx_from_document_ids(torch.tensor([[2, 1]])),
      "must not decrease"),
+    ("ids beyond int32 to seq_idx",
+     lambda: packfn.seq_idx_from_document_ids(torch.tensor([[2**32, 2**32, 2**32 + 5, 0]])), r"at most 2\*\*31"),
+    ("seq_lens whose sum wraps int64",
+     lambda: packfn.document_ids_from_seq_lens(torch.tensor([[2**62] * 4 + [2]]), 4), "must not add up to more"),
+    ("seq_lens of the largest int64",
+     lambda: packfn.document_ids_from_seq_lens(torch.tensor([[2**63 - 1, 2**63 - 1, 3]]), 4), "must not add up"),
+    ("int8 positions that wrap",
+     lambda: packfn.document_ids_from_position_ids(torch.tensor([[0, 1, 2, 127, -128]], dtype=torch.int8), start=None),
+     "position_ids must not be negative"),
 ]  # fmt: skip
 
 
@@ -279,6 +288,8 @@ BAD_ARGUMENTS = [
      ValueError, r"attention_mask must have shape \(2, 4\), got \(2, 3\)"),
     (lambda: packfn.document_ids_from_seq_lens(torch.tensor([[2, 2]]), 4.0), TypeError, "sequence must be an int"),
     (lambda: packfn.thd_metadata(torch.tensor([[1, 1]]), max_documents=0), ValueError, "must be positive"),
+    (lambda: packfn.seq_idx_from_document_ids(torch.tensor([[1, 1]]), pad_index=2**31), ValueError,
+     "pad_index must fit in int32"),
 ]  # fmt: skip
 
 
@@ -286,6 +297,25 @@ BAD_ARGUMENTS = [
 def test_bad_arguments_raise_at_call_time(call, error, message):
     with pytest.raises(error, match=message):
         call()
+
+
+def test_narrow_dtypes_convert_as_their_int64_values_do():
+    # A 256-token document then a 3-token one: uint8 positions wrap from 255 to 0 at the second.
+    positions = torch.cat([torch.arange(256), torch.arange(3)]).unsqueeze(0)
+    expected = packfn.document_ids_from_position_ids(positions)
+    assert expected.unique(return_counts=True)[1].tolist() == [256, 3]
+    assert_same(packfn.document_ids_from_position_ids(positions.to(torch.uint8)), expected)
+    assert_same_outputs(ops.document_ids_from_position_ids_op, positions.to(torch.uint8), None, None, 0)
+    # Ids a narrow dtype cannot hold match no token (compared as they are, 256 would match uint8 0, 265 match 9).
+    tokens = torch.tensor([[5, 0, 7, 9, 0, 3]])
+    expected = packfn.document_ids_from_eos(tokens, 9)
+    for dtype in (torch.uint8, torch.int8):
+        narrow = tokens.to(dtype)
+        for pad in (256, -256, 2**40):
+            assert_same(packfn.document_ids_from_eos(narrow, 9, pad_token_id=pad), expected)
+        assert_same(packfn.document_ids_from_eos(narrow, [9, 265], vocab_size=300), expected)
+        assert_same_outputs(ops.document_ids_from_eos_op, narrow, None, [9, 265], False, 256, 300, True, True, True)
+        assert_same_outputs(ops.document_ids_from_eos_op, narrow, None, [9, 265], False, None, 300, True, True, True)
 
 
 # --------------------------------------------------------- no host reads at all

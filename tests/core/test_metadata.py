@@ -81,6 +81,15 @@ def test_flatten_metadata_rejects_bool_metadata(which):
         packfn.flatten_metadata(tensors["packed_token_indices"], tensors["cu_seqlens"])
 
 
+@pytest.mark.parametrize("dtype", [torch.int8, torch.int16, torch.uint8])
+def test_flatten_metadata_widens_narrow_boundaries_to_int32(dtype):
+    # Each row's [0, 100] fits the dtype; the flat total, 200, fits neither int8 nor uint8's 8 bits with room.
+    batch = packfn.batch_metadata(torch.ones(2, 100, dtype=torch.int64), max_documents=1)
+    flat = packfn.flatten_metadata(batch.packed_token_indices, batch.cu_seqlens.to(dtype))
+    assert flat.cu_seqlens.dtype == torch.int32
+    assert flat.cu_seqlens.tolist() == [0, 100, 200] and flat.seqlens.tolist() == [100, 100]
+
+
 # ------------------------------------------------------------ static fills
 
 

@@ -287,6 +287,11 @@ def test_bad_arguments_raise_clear_errors(kwargs, error, match):
         (torch.tensor([2.0]), TypeError, "document 0: a length must be an int, got Tensor"),
         ("abc", TypeError, "lengths must be an iterable of ints, got str"),
         (5, TypeError, "lengths must be an iterable of ints, got int"),
+        (
+            torch.tensor([[3, 2], [1, 1]]),
+            ValueError,
+            r"lengths must be 1-D .one length per document., got shape \(2, 2\)",
+        ),
     ],
 )
 def test_bad_lengths_raise_clear_errors(lengths, error, match):
@@ -324,9 +329,29 @@ def test_gather_keeps_floating_values_and_refuses_to_truncate_them():
     assert weights.dtype == torch.float32
     assert weights[0, :5].tolist() == [0.5, 1.5, 2.5, 4.0, 5.0]
     assert packed.gather([[1, 2, 3], [4, 5]]).dtype == torch.int64
-    assert packed.gather([torch.tensor([1, 2, 3], dtype=torch.int32), [4, 5]]).dtype == torch.int32
+    int32 = torch.tensor([1, 2, 3], dtype=torch.int32)
+    assert packed.gather([int32, int32[:2]]).dtype == torch.int32
+    assert packed.gather([int32, [4, 5]]).dtype == torch.int64  # promoted with the list's int64
     with pytest.raises(ValueError, match=r"document 0 holds torch.float32 values, which gather\(dtype=torch.int64\)"):
         packed.gather([[0.5, 1.5, 2.5], [4.0, 5.0]], dtype=torch.int64)
+
+
+def test_gather_promotes_the_documents_dtypes_and_refuses_values_its_dtype_cannot_hold():
+    packed = pack_documents([3, 2], sequence=8, alignment=1, max_documents=2)
+    narrow_first = [torch.tensor([1, 2, 3], dtype=torch.int8), [300, -300]]
+    assert packed.gather(narrow_first)[0, :5].tolist() == [1, 2, 3, 300, -300]  # int8 and int64: int64
+    with pytest.raises(
+        ValueError, match=r"document 1 holds values outside \[-128, 127\], which torch.int8 cannot hold"
+    ):
+        packed.gather(narrow_first, dtype=torch.int8)
+    assert packed.gather([[1, 0, 1], [0, 1]], dtype=torch.bool).dtype == torch.bool
+    with pytest.raises(ValueError, match=r"outside \[0, 1\], which torch.bool"):
+        packed.gather([[1, 2, 1], [0, 1]], dtype=torch.bool)
+
+
+def test_pack_stream_drop_last_must_be_a_bool():
+    with pytest.raises(TypeError, match="drop_last must be a bool, got str"):
+        pack_stream([3], batch=1, drop_last="no", **GOOD)
 
 
 def test_gather_names_a_document_the_mapping_lacks():

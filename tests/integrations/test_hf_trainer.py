@@ -86,6 +86,30 @@ def test_collator_rejects_rows_it_cannot_hold():
         PackedCollator(8)([{"input_ids": [1] * 5, "seq_lengths": [2, 2]}])
 
 
+@pytest.mark.parametrize(
+    ("features", "error", "match"),
+    [
+        ([], ValueError, "PackedCollator got no features"),
+        ([{"labels": [1]}], ValueError, "feature 0 has no 'input_ids'"),
+        ([{"input_ids": [1, 2]}, {"input_ids": [1.7, 2.2]}], TypeError, "feature 1: input_ids must hold integer"),
+        ([{"input_ids": [[1, 2], [3, 4]]}], ValueError, r"feature 0: input_ids must be 1-D, got shape \(2, 2\)"),
+        ([{"input_ids": [1, 2, 3, 4], "labels": [9]}], ValueError, "feature 0: its 1 labels do not match its 4 tokens"),
+        ([{"input_ids": [1, 2], "labels": [0.5, 1.0]}], TypeError, "feature 0: labels must hold integer"),
+        ([{"input_ids": [1, 2, 3], "seq_lengths": [4, -1]}], ValueError, r"lengths \[4, -1\] hold a negative"),
+    ],
+)
+def test_collator_names_the_feature_it_cannot_read(features, error, match):
+    with pytest.raises(error, match=match):
+        PackedCollator(6)(features)
+    with pytest.raises(TypeError, match="pad_token_id must be an int, got float"):
+        PackedCollator(6, pad_token_id=1.5)
+
+
+def test_collator_takes_missing_or_null_labels_as_the_tokens():
+    for feature in ({"input_ids": [4, 5, 6]}, {"input_ids": [4, 5, 6], "labels": None}):
+        assert PackedCollator(4)([feature])["labels"].tolist() == [[-100, 5, 6, -100]]
+
+
 def test_trainer_trains_compiled_with_one_graph_and_the_per_document_loss(tmp_path):
     model = tiny_llama()
     rows = features()
