@@ -299,6 +299,20 @@ def test_bad_arguments_raise_at_call_time(call, error, message):
         call()
 
 
+def test_an_all_padding_batch_has_empty_thd_boundaries():
+    # A fully padded microbatch is no THD document at all, not one that "begins with padding".
+    thd = packfn.thd_metadata(torch.zeros(2, 4, dtype=torch.int64), max_documents=2)
+    assert thd.cu_seqlens.tolist() == [0, 0, 0, 0, 0]
+    assert thd.cu_seqlens_padded.tolist() == [0, 8, 8, 8, 8]
+
+
+def test_flat_cu_seqlens_that_end_before_the_last_row_leave_the_rest_padding():
+    # No attention_mask: tokens past the last boundary are padding, whole rows of it included.
+    assert packfn.document_ids_from_cu_seqlens(torch.tensor([0, 3]), 4, batch=2).tolist() == [[1, 1, 1, 0], [0] * 4]
+    ids = packfn.document_ids_from_cu_seqlens(torch.tensor([0, 2, 3]), 3, batch=3)
+    assert ids.tolist() == [[1, 1, 2], [0, 0, 0], [0, 0, 0]]
+
+
 def test_narrow_dtypes_convert_as_their_int64_values_do():
     # A 256-token document then a 3-token one: uint8 positions wrap from 255 to 0 at the second.
     positions = torch.cat([torch.arange(256), torch.arange(3)]).unsqueeze(0)

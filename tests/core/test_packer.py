@@ -7,7 +7,7 @@ import itertools
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import packfn
@@ -15,6 +15,7 @@ from packfn import aligned_layout, batch_metadata, pack_documents, pack_stream, 
 from packfn import packer as packer_module
 from packfn.packer import PackedBatch, Piece
 
+from tests.references_packer import next_fit
 from tests.strategies_packer import Budgets, packing_inputs, round_up
 
 HYPOTHESIS = settings(max_examples=80, suppress_health_check=[HealthCheck.too_slow])
@@ -347,6 +348,24 @@ def test_gather_promotes_the_documents_dtypes_and_refuses_values_its_dtype_canno
     assert packed.gather([[1, 0, 1], [0, 1]], dtype=torch.bool).dtype == torch.bool
     with pytest.raises(ValueError, match=r"outside \[0, 1\], which torch.bool"):
         packed.gather([[1, 2, 1], [0, 1]], dtype=torch.bool)
+
+
+@HYPOTHESIS
+@given(packing_inputs(split=False))
+@example((Budgets(16, 1, 4, None, 1), [8, 8, 16]))  # a document that exactly fills the rest of its row joins it
+def test_next_fit_is_the_reference_next_fit_in_input_order(case):
+    limits, lengths = case
+    packed = pack_documents(lengths, **limits.kwargs(), strategy="next_fit")
+    rows, closed = next_fit(
+        lengths,
+        sequence=limits.sequence,
+        alignment=limits.alignment,
+        budget=limits.resolved_budget,
+        cap=limits.max_documents,
+        multiple=limits.pad_to_multiple_of,
+    )
+    assert [[piece.document for piece in row] for row in packed.rows] == rows
+    assert list(packed.closed_by) == closed
 
 
 def test_pack_stream_drop_last_must_be_a_bool():

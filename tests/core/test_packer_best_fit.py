@@ -9,7 +9,7 @@ import math
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import packfn
@@ -156,6 +156,8 @@ def test_closed_by_names_the_constraint_that_closed_each_row():
     assert packed.limits() == {"tokens": 1, "documents": 1}
     # Alignment 8: two 5-token documents take 16 aligned columns of 16; their 10 tokens leave input room.
     assert pack_documents([5, 5], sequence=16, alignment=8, max_documents=4).closed_by == ("budget",)
+    # Exactly the smallest document's room left, and the cap reached: the cap closed the row, not the tokens.
+    assert pack_documents([8, 4, 4], sequence=16, alignment=1, max_documents=2).closed_by == ("documents", "end")
     # Room left and nothing to fill it: the documents ran out. Padding rows are "end" too.
     assert pack_documents([3], sequence=16, alignment=1, max_documents=4, batch=2).closed_by == ("end", "end")
     assert pack_documents([3], sequence=16, alignment=1, max_documents=4, batch=2).limits() == {"end": 1}
@@ -184,6 +186,10 @@ def test_suggest_budgets_widens_the_budget_only_when_its_rows_carry_more_tokens_
     # hold more a row but carry fewer tokens per column (25 a row at 800: 0.61).
     wide = suggest_budgets([20] * 512, sequence=512, alignment=16)
     assert wide.budget == 512 and wide.rows == 32 and wide.unlimited_rows == 21
+    # At tolerance 0 a cap whose rows equal the uncapped ones qualifies: cap 2 needs 3 rows, cap 3 gets the
+    # uncapped 2 (8 + 4 + 4 twice, by the cap-balanced pass), so 3 is the smallest, below the 4 a row can hold.
+    exact = suggest_budgets([8, 8, 4, 4, 4, 4], sequence=16, tolerance=0)
+    assert (exact.max_documents, exact.rows, exact.unlimited_rows, exact.most_documents) == (3, 2, 2, 4)
     with pytest.raises(ValueError, match="tolerance must be a number in"):
         suggest_budgets([20], sequence=512, tolerance=1.0)
     with pytest.raises(ValueError, match="at least one length"):
@@ -195,6 +201,8 @@ def test_suggest_budgets_widens_the_budget_only_when_its_rows_carry_more_tokens_
 
 @HYPOTHESIS
 @given(packing_inputs(split=True, max_documents=40), st.integers(1, 3), st.integers(1, 12))
+# Rows carried into the next window hold pieces already: the cap-balanced pass must count them (found by a mutant).
+@example((Budgets(64, 1, 4, None, 1), [24, 14, 1, 18, 8, 32, 4, 10, 4, 16, 9, 1]), 2, 6)
 def test_a_best_fit_stream_fits_every_batch_and_sends_every_document_once(case, batch, window):
     limits, lengths = case
     batches = list(pack_stream(iter(lengths), batch=batch, **limits.kwargs(), split=True, window=window))

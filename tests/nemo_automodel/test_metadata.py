@@ -379,3 +379,22 @@ def test_flatten_error_traceback_holds_no_numpy_view_of_the_inputs():
     frames = [entry.frame.f_locals for entry in error.traceback]
     numpy_type = type(numpy_views(indices)[0])
     assert not any(isinstance(value, numpy_type) for local in frames for value in local.values())
+
+
+def test_read_only_numpy_views_are_not_written_into():
+    """A NumPy whose DLPack imports are read-only (older releases) gets the torch path, with the same result."""
+    from packfn._ops import _cpu
+
+    def read_only(tensor):
+        view = real_view(tensor)
+        if view is not None:
+            view.setflags(write=False)
+        return view
+
+    real_view = _cpu.numpy_view
+    mask = torch.tensor([[1, 1, 2, 0], [1, 1, 1, 0]])
+    metadata = drop_ins.build_packed_sequence_metadata(mask)
+    tables = (metadata["packed_token_indices"], metadata["cu_seqlens"])
+    with mock.patch.object(_cpu, "numpy_view", read_only):
+        indices, cu_seqlens = drop_ins.flatten_packed_sequence_metadata(*tables, batch_size=2, sequence_length=4)
+    assert indices.tolist() == [0, 1, 2, 4, 5, 6] and cu_seqlens.tolist() == [0, 2, 3, 6]
