@@ -1,22 +1,15 @@
 """The format conversions against the pipelines' own: transformers, TRL and torchtitan, on generated inputs.
 
-Each anchor's conversion is the oracle where it is installed (the test extra
-pins them); a module that is missing skips its tests.
+Each anchor's conversion is the oracle (the test extra and the README's test
+command install every one; a missing one fails the import, never skips).
 """
 
 from __future__ import annotations
-
-import functools
-import importlib
-import os
-import sys
-import types
 
 import torch
 
 # Imported while collecting: a module that puts sys.modules back after a test (mock.patch.dict) must find
 # datasets there already, or the next import registers its pyarrow types twice.
-import torchtitan
 import transformers
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -26,6 +19,7 @@ from trl.trainer import sft_trainer as trl_sft
 import packfn
 from packfn.hf import PackedCollator
 
+from benchmarks.formats import titan  # torchtitan's attention module, imported without triton
 from tests.assertions import assert_same
 from tests.strategies_formats import PackedRows, packed_rows
 
@@ -108,24 +102,12 @@ def test_trl_padding_free_collator_outputs_convert_alike(rows: PackedRows, multi
 # -------------------------------------------------------------------- torchtitan
 
 
-@functools.cache
-def torchtitan_attention():
-    """``torchtitan.models.common.attention`` without running its package ``__init__`` (which needs triton)."""
-    name = "torchtitan.models.common"
-    if name not in sys.modules:
-        importlib.import_module("torchtitan.models")
-        package = types.ModuleType(name)
-        package.__path__ = [os.path.join(os.path.dirname(torchtitan.__file__), "models", "common")]
-        package.__package__ = name
-        sys.modules[name] = package
-    return importlib.import_module("torchtitan.models.common.attention")
-
-
 @SETTINGS
 @given(rows=packed_rows(max_batch=3, padding=False))
 def test_equal_to_torchtitan_varlen_metadata_and_document_ids(rows: PackedRows):
     """torchtitan 0.3's ``positions`` (restarting at 0; a padding tail is a document of its own)."""
-    attention = torchtitan_attention()
+    assert titan is not None, "torchtitan is a test dependency (see the README's test command)"
+    attention = titan
     positions = packfn.packed_position_ids(rows.document_ids)
     ids = packfn.document_ids_from_position_ids(positions)
     assert_same(ids - 1, torch.cumsum((positions == 0).int(), dim=1) - 1)  # get_document_mask_mod's ids

@@ -25,20 +25,12 @@ from transformers import (
 import packfn
 from packfn.hf import hf_model_inputs
 
+from tests.integrations import SIZES
 from tests.references import document_spans, segments_attention, shift_labels_reference
 from tests.strategies import packing_masks
 from tests.strategies_attention import packed_batches
 
 SETTINGS = settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-SIZES = dict(
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    vocab_size=64,
-    max_position_embeddings=128,
-)
 # (config class, model class, extra config): Qwen2's second layer slides
 # (layer_types [full, sliding]), Mistral slides in every layer.
 ARCHITECTURES = {

@@ -15,6 +15,7 @@ import transformers
 import packfn
 from packfn.hf import hf_model_inputs
 
+from tests.integrations import SIZES
 from tests.references import document_spans
 
 DOCUMENT_IDS = torch.tensor(
@@ -22,15 +23,6 @@ DOCUMENT_IDS = torch.tensor(
         [1, 1, 1, 0, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 0, 0],
         [0, 1, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 0, 3, 3, 3],
     ]
-)
-SIZES = dict(
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    vocab_size=64,
-    max_position_embeddings=128,
 )
 GEMMA = dict(head_dim=8, query_pre_attn_scalar=8)
 LAYERS = ["sliding_attention", "full_attention"]
