@@ -122,7 +122,7 @@ def run(
         for mean in means:
             inputs = make_inputs(sequence, mean, device=device)
             for family in families:
-                module = importlib.import_module(f"scripts.benchmarks.{family}")
+                module = importlib.import_module(f"benchmarks.{family}")
                 for case in module.cases(inputs):
                     for label in case.variants:
                         case.variants[label]()  # warm every variant once
