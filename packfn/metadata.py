@@ -179,8 +179,9 @@ def flatten_metadata(packed_token_indices: torch.Tensor, cu_seqlens: torch.Tenso
     Returns:
         :class:`VarlenMetadata` with ``cu_seqlens`` ``[batch * D + 1]`` in
         the dtype of ``cu_seqlens`` (int32 for a narrower one, which could
-        not hold boundaries that add up over the rows) and ``indices`` holding the flattened
-        index values of the valid tokens first, then the padding positions.
+        not hold boundaries that add up over the rows) and ``indices``
+        holding the flattened index values of the valid tokens first, then
+        the padding positions.
 
     Raises:
         ValueError: shapes or dtypes that do not form batch-major metadata.
