@@ -13,9 +13,10 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import packfn
-from packfn import aligned_layout, batch_metadata, pack_documents, pack_stream, suggest_budgets, varlen_metadata
-from packfn.packer import CLOSED_BY, PackedBatch
+from packfn import pack_documents, pack_stream, suggest_budgets
+from packfn.packer import PackedBatch
 
+from tests.assertions_packer import assert_fits_the_static_ops, assert_rows_within_budgets
 from tests.references_packer import best_fit_decreasing
 from tests.strategies_packer import Budgets, packing_inputs, round_up
 
@@ -23,41 +24,6 @@ with contextlib.suppress(ImportError):  # imported at collection, before a test 
     import datasets  # noqa: F401
 
 HYPOTHESIS = settings(max_examples=60, suppress_health_check=[HealthCheck.too_slow])
-
-
-def assert_fits_the_static_ops(packed: PackedBatch, limits: Budgets) -> None:
-    """The guarantee, checked by the ops themselves (their eager asserts raise RuntimeError otherwise)."""
-    cap = limits.max_documents
-    varlen_metadata(packed.document_ids, max_documents=cap)
-    parsed = batch_metadata(packed.document_ids, max_documents=cap)
-    ends = parsed.cu_seqlens[:, 1:].to(torch.int64)
-    assert torch.equal(torch.where(ends >= 0, ends - parsed.cu_seqlens[:, :-1], 0), packed.seq_lens)
-    aligned_layout(
-        packed.seq_lens,
-        packed.seq_lens_padded,
-        sequence_length=limits.sequence,
-        alignment=limits.alignment,
-        budget=packed.budget,
-    )
-
-
-def assert_rows_within_budgets(packed: PackedBatch, limits: Budgets) -> None:
-    assert packed.document_ids.shape == (packed.batch, limits.sequence)
-    assert packed.seq_lens.shape == packed.seq_lens_padded.shape == (packed.batch, limits.max_documents)
-    assert len(packed.closed_by) == packed.batch and set(packed.closed_by) <= set(CLOSED_BY)
-    for row, pieces in enumerate(packed.rows):
-        assert len(pieces) <= limits.max_documents
-        assert sum(piece.span for piece in pieces) <= limits.sequence
-        assert sum(round_up(piece.length, limits.alignment) for piece in pieces) <= packed.budget
-        column = 0
-        for slot, piece in enumerate(pieces):
-            assert piece.column == column and piece.span == round_up(piece.length, limits.pad_to_multiple_of)
-            assert (packed.document_ids[row, column : column + piece.length] == slot + 1).all()
-            assert (packed.document_ids[row, column + piece.length : column + piece.span] == 0).all()
-            column += piece.span
-        assert (packed.document_ids[row, column:] == 0).all()
-        # Documents sit in input order within a row.
-        assert [(piece.document, piece.offset) for piece in pieces] == sorted((p.document, p.offset) for p in pieces)
 
 
 def assert_conserved(packed: PackedBatch, lengths: list[int], limits: Budgets) -> None:
