@@ -2,7 +2,7 @@
 
 Each rank keeps a contiguous ``budget // world`` shard of every aligned row
 (``packfn.shard_packed_batch``), gathers the keys and values of the whole
-row from every rank (``packfn.distributed.gather_sequence``) and attends
+row from every rank (``packfn.distributed.all_gather_sequence``) and attends
 its queries to them under ``packfn.cp_block_causal_mask``. Every length is
 known from ``[batch, sequence]``, the budget and the world size: no length
 is read back and no collective decides a shape. Rank 0 checks that the
@@ -23,7 +23,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 import packfn
-from packfn.distributed import gather_sequence
+from packfn.distributed import all_gather_sequence
 
 BATCH, SEQUENCE, BUDGET, ALIGNMENT, HIDDEN, VOCAB = 2, 24, 32, 4, 16, 64
 
@@ -50,9 +50,9 @@ def run(rank: int, world: int, port: int) -> None:
         seq_lens, input_ids=input_ids, labels=labels, rank=rank, world=world, budget=BUDGET, alignment=ALIGNMENT
     )
     x = embed(shard.input_ids)  # [batch, budget // world, hidden]
-    keys, values = gather_sequence(project(x), dist.group.WORLD).chunk(2, dim=-1)  # [batch, budget, hidden]
+    keys, values = all_gather_sequence(project(x), dist.group.WORLD).chunk(2, dim=-1)  # [batch, budget, hidden]
     out = attention(x, keys, values, packfn.cp_block_causal_mask(shard))  # [batch, budget // world, hidden]
-    gathered = gather_sequence(out.contiguous(), dist.group.WORLD)
+    gathered = all_gather_sequence(out.contiguous(), dist.group.WORLD)
     if rank == 0:
         layout = packfn.aligned_layout(seq_lens, sequence_length=SEQUENCE, alignment=ALIGNMENT, budget=BUDGET)
         whole = embed(layout.pack(input_ids))

@@ -1,6 +1,6 @@
 """A transformers model trained on packed rows, its inputs from one packfn call inside the compiled step.
 
-``packfn.hf.hf_model_inputs`` turns the packer's document ids into the
+``packfn.integrations.hf.hf_model_inputs`` turns the packer's document ids into the
 model's keyword arguments (position ids that restart per document, the
 attention mask of the model's backend, labels that never cross documents),
 with static shapes and no host sync, so the whole training step compiles
@@ -17,7 +17,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import packfn
-from packfn.hf import hf_model_inputs
+from packfn.integrations.hf import hf_model_inputs
 
 
 def per_document_loss(model: LlamaForCausalLM, documents: list[torch.Tensor]) -> torch.Tensor:

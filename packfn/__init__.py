@@ -12,26 +12,34 @@ to the host, and a compiled graph never specializes on a batch's contents.
   ``cu_seqlens``, ``seq_lens``, ``seq_idx``), ``seq_idx_from_document_ids``, ``seq_lens_from_document_ids``,
   ``thd_metadata``;
 - contracts (:mod:`packfn.contract`): ``packed_attention_inputs`` and the contract types;
-- the packer (:mod:`packfn.packer`): ``pack_documents``, ``pack_stream``, ``suggest_budgets``;
-- the loader (:mod:`packfn.data`): ``PackedDataset``;
+- the data side (:mod:`packfn.data`, host Python for loader workers): the packer ``pack_documents``,
+  ``pack_stream``, ``suggest_budgets``, and the loader ``PackedDataset``;
 - distributed (:mod:`packfn.distributed`): ``shard_packed_batch`` and the local-query inputs of a rank.
 
-Integrations stand on the core: :mod:`packfn.hf` (transformers), :mod:`packfn.megatron`
-(Megatron-core), :mod:`packfn.torchtune`. The NeMo
+Integrations stand on the core: :mod:`packfn.integrations.hf` (transformers),
+:mod:`packfn.integrations.megatron` (Megatron-core), :mod:`packfn.integrations.torchtune`. The NeMo
 AutoModel drop-ins, which read the host once, are :mod:`packfn.nemo_automodel`.
 The ops themselves are ``torch.ops.packfn.*`` (:mod:`packfn._ops`).
 """
 
 import packfn._ops  # noqa: F401  (registers every op)
 from packfn._cache import cache_key_tag, install_cache_key_tag
-from packfn._deprecated import moved_names
 from packfn.contract import (
     DEFAULT_PACKED_SEQUENCE_CONTRACT,
     PackedMaskType,
     PackedSequenceContract,
     packed_attention_inputs,
 )
-from packfn.data import PackedDataset
+from packfn.data import (
+    BudgetSuggestion,
+    PackedBatch,
+    PackedDataset,
+    Piece,
+    Pieces,
+    pack_documents,
+    pack_stream,
+    suggest_budgets,
+)
 from packfn.distributed import (
     CPShard,
     CPVarlenMetadata,
@@ -55,10 +63,8 @@ from packfn.formats import (
     thd_metadata,
 )
 from packfn.layout import PackedSequenceLayout, aligned_layout, safe_budget
-from packfn.layout import aligned_length as aligned_length  # deprecated, not in __all__
 from packfn.masks import block_causal_mask, document_block_mask, document_mask_mod
 from packfn.metadata import BatchMetadata, VarlenMetadata, batch_metadata, flatten_metadata, varlen_metadata
-from packfn.packer import BudgetSuggestion, PackedBatch, Piece, Pieces, pack_documents, pack_stream, suggest_budgets
 from packfn.varlen import PhysicalVarlenMetadata, pad, physical_varlen_metadata, unpad
 
 __all__ = [
@@ -109,32 +115,6 @@ __all__ = [
     "unpad",
     "varlen_metadata",
 ]
-
-# The names that moved out of the core keep working, with a DeprecationWarning, for one release.
-__getattr__ = moved_names(
-    __name__,
-    {
-        **{
-            name: f"packfn.nemo_automodel:{name}"
-            for name in (
-                "PackedSeqParams",
-                "PackedSequenceMetadata",
-                "ShardLayout",
-                "build_packed_sequence_metadata",
-                "flatten_packed_sequence_metadata",
-                "get_seqlens_in_batch",
-                "get_unpad_data",
-                "packed_layout",
-                "packed_seq_params_from_doc_ids",
-                "resolve_packing_contract",
-                "shard_cp_batch",
-                "to_flash_attention_kwargs",
-            )
-        },
-        "gather_sequence": "packfn.nemo_automodel:gather_sequence",
-        "hf_model_inputs": "packfn.hf:hf_model_inputs",
-    },
-)
 
 # NOTE [Compile caches do not see decompositions] (packfn/_cache.py)
 install_cache_key_tag()

@@ -16,7 +16,6 @@ from typing import Any, Final, Literal, Protocol
 import torch
 
 from packfn._checks import check_mask
-from packfn._deprecated import deprecated, moved_names
 from packfn._ops import masks as _mask_ops
 from packfn._ops import varlen as _varlen_ops
 from packfn._ops._registry import assert_rules
@@ -104,7 +103,6 @@ def packed_attention_inputs(
     labels: torch.Tensor | None = None,
     position_ids: torch.Tensor | None = None,
     max_documents: int | None = None,
-    static: bool = True,
 ) -> dict[str, Any]:
     """Return the attention inputs ``contract`` asks for, with static shapes and no host sync.
 
@@ -134,8 +132,6 @@ def packed_attention_inputs(
         contract: What the model consumes (:class:`PackedSequenceContract`).
         input_ids, labels, position_ids: Optional ``[batch, sequence]`` tensors to pass through.
         max_documents: ``D`` for the metadata (default ``sequence``).
-        static: Deprecated; ``static=False`` is
-            :func:`packfn.nemo_automodel.packed_attention_inputs`.
 
     Returns:
         A dict: a model's ``**kwargs``.
@@ -147,14 +143,6 @@ def packed_attention_inputs(
         RuntimeError: (a sync-free assert) negative or decreasing ids, for
             the block-causal mask and the metadata.
     """
-    if not static:
-        deprecated(
-            "packed_attention_inputs(static=False) is deprecated; use packfn.nemo_automodel.packed_attention_inputs"
-        )
-        # The core's one import of the drop-in layer, for this deprecated spelling only.
-        from packfn.nemo_automodel import packed_attention_inputs as exact
-
-        return exact(document_ids, contract, input_ids=input_ids, labels=labels, position_ids=position_ids)
     check_mask(document_ids)
     mask_type = check_mask_type(contract)
     result = passthrough_inputs(document_ids, input_ids=input_ids, labels=labels, position_ids=position_ids)
@@ -173,14 +161,3 @@ def packed_attention_inputs(
         result["max_seqlen"] = metadata.max_seqlen_bound
     result["_packed_seq_ids"] = document_ids
     return result
-
-
-__getattr__ = moved_names(
-    __name__,
-    {
-        "resolve_packing_contract": "packfn.nemo_automodel:resolve_packing_contract",
-        "_LEGACY_FLASH_ATTENTION_IMPLEMENTATIONS": (
-            "packfn.nemo_automodel.contract:_LEGACY_FLASH_ATTENTION_IMPLEMENTATIONS"
-        ),
-    },
-)

@@ -285,7 +285,7 @@ def document_ids_from_seq_lens(seq_lens: torch.Tensor, sequence: int) -> torch.T
     (its id goes unused); columns past the row's total are padding. A
     trailing entry for the padding (torchtune's ``PackedDataset`` appends one
     when a pack is not full) is a document of its own, as in torchtune
-    (:mod:`packfn.torchtune` tells the two apart).
+    (:mod:`packfn.integrations.torchtune` tells the two apart).
 
     Args:
         seq_lens: int ``[batch, D]``.

@@ -23,7 +23,6 @@ import torch
 
 from packfn._checks import check_int, check_positive_int, check_tensor
 from packfn._compat import sym_max, sym_min
-from packfn._deprecated import deprecated, moved_names, renamed_keywords
 from packfn._ops import layout as _ops
 from packfn._ops._registry import assert_rules
 from packfn._utils import cdiv
@@ -153,18 +152,11 @@ def safe_budget(sequence_length: int, documents: int, alignment: int, minimum_bu
     return worst_case_budget(sequence_length, documents, alignment, minimum_budget)
 
 
-def aligned_length(sequence_length: int, documents: int, alignment: int, minimum_length: int = 0) -> int:
-    """Deprecated spelling of :func:`safe_budget` (``minimum_length`` is ``minimum_budget``)."""
-    deprecated("packfn.aligned_length is deprecated; use packfn.safe_budget (minimum_length is minimum_budget)")
-    return safe_budget(sequence_length, documents, alignment, minimum_length)
-
-
 def as_rows(tensor: torch.Tensor) -> torch.Tensor:
     """``[batch, documents]`` length tables: a 1-d table is one row."""
     return tensor.unsqueeze(0) if tensor.ndim == 1 else tensor
 
 
-@renamed_keywords(length="budget")
 def aligned_layout(
     seq_lens: torch.Tensor,
     seq_lens_padded: torch.Tensor | None = None,
@@ -221,6 +213,3 @@ def aligned_layout(
     layout = _ops.aligned_layout_op(lengths, spans, sequence_length, alignment, budget)
     assert_rules(layout.broken, _ops.layout_rules(budget))
     return PackedSequenceLayout(layout.source_indices, layout.input_positions, layout.position_ids, layout.sequence_ids)
-
-
-__getattr__ = moved_names(__name__, {"packed_layout": "packfn.nemo_automodel:packed_layout"})

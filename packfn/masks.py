@@ -63,7 +63,7 @@ def causal_band_mask(first_columns: torch.Tensor, *, invert: bool = False) -> to
     tables), query ``i`` attends exactly the keys ``first_columns[i] <= j <= i``:
     a band, so the ``[sequence, sequence]`` mask is one comparison and one
     ``tril``, with no id comparison. The eager drop-ins' dense masks
-    (:mod:`packfn.megatron`, :mod:`packfn.torchtune`) use it.
+    (:mod:`packfn.integrations.megatron`, :mod:`packfn.integrations.torchtune`) use it.
 
     Args:
         first_columns: int ``[batch, sequence]``: the column each token's

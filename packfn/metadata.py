@@ -15,7 +15,6 @@ from typing import NamedTuple
 import torch
 
 from packfn._checks import check_integer_tensor, check_mask, check_positive_int
-from packfn._deprecated import moved_names, renamed_keywords
 from packfn._ops import metadata as _ops
 from packfn._ops._registry import assert_rules
 
@@ -83,7 +82,6 @@ def _capacity(document_ids: torch.Tensor, max_documents: int | None) -> int:
     return check_positive_int(max_documents, "max_documents")
 
 
-@renamed_keywords(attention_mask="document_ids")
 def varlen_metadata(document_ids: torch.Tensor, *, max_documents: int | None = None) -> VarlenMetadata:
     """Build flat varlen metadata of fixed capacity, with no host sync.
 
@@ -113,7 +111,6 @@ def varlen_metadata(document_ids: torch.Tensor, *, max_documents: int | None = N
     return VarlenMetadata(*outputs, max_seqlen_bound=document_ids.shape[1])
 
 
-@renamed_keywords(attention_mask="document_ids")
 def batch_metadata(document_ids: torch.Tensor, *, max_documents: int | None = None) -> BatchMetadata:
     """Build batch-major varlen metadata of fixed capacity, with no host sync.
 
@@ -210,18 +207,3 @@ def flatten_metadata(packed_token_indices: torch.Tensor, cu_seqlens: torch.Tenso
     return VarlenMetadata(
         flat.indices, flat.cu_seqlens, seqlens, seqlens.max(), flat.num_tokens, flat.num_documents, sequence
     )
-
-
-__getattr__ = moved_names(
-    __name__,
-    {
-        name: f"packfn.nemo_automodel:{name}"
-        for name in (
-            "PackedSequenceMetadata",
-            "build_packed_sequence_metadata",
-            "flatten_packed_sequence_metadata",
-            "get_seqlens_in_batch",
-            "get_unpad_data",
-        )
-    },
-)

@@ -9,7 +9,7 @@ is built from a ``LlamaConfig`` with random weights (nothing is downloaded)
 and each way trains its own copy of the same initial model with AdamW, one
 step per batch, on the same batches:
 
-1. **packfn**: ``model(**packfn.hf.hf_model_inputs(document_ids, model.config,
+1. **packfn**: ``model(**packfn.integrations.hf.hf_model_inputs(document_ids, model.config,
    input_ids=tokens, labels=tokens))``, the ``hf_model_inputs`` call inside
    the compiled step: restarting ``position_ids``, labels with -100 at
    padding and at each document's first token, and the attention input of
@@ -18,7 +18,7 @@ step per batch, on the same batches:
 2. **transformers packed**: transformers' own packed path: restarting
    ``position_ids`` (:func:`packfn.packed_position_ids`, inside the compiled
    step), no ``attention_mask``, ``use_cache=False`` (NOTE [transformers' own
-   packed path needs use_cache=False] in :mod:`packfn.hf`), labels masked as
+   packed path needs use_cache=False] in :mod:`packfn.integrations.hf`), labels masked as
    in way 1. Transformers finds the documents from the restarts of the
    position ids; padding continues its row's last document's positions, so
    padding tokens attend like that document (their labels are -100, so the
@@ -68,7 +68,7 @@ import transformers
 from torch._dynamo.utils import counters
 
 import packfn
-import packfn.hf
+import packfn.integrations.hf
 from packfn.data import PackedDataset
 
 from corpus import token_documents
@@ -183,7 +183,7 @@ def packfn_loss(block_size: int) -> Callable[..., torch.Tensor]:
     """Way 1: the model's loss on ``hf_model_inputs`` of the packed batch (the call inside the compiled step)."""
 
     def loss(model, step: Step) -> torch.Tensor:
-        inputs = packfn.hf.hf_model_inputs(
+        inputs = packfn.integrations.hf.hf_model_inputs(
             step.document_ids, model.config, input_ids=step.input_ids, labels=step.input_ids, block_size=block_size
         )
         return model(**inputs).loss

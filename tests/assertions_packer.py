@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from packfn import aligned_layout, batch_metadata, varlen_metadata
-from packfn.packer import CLOSED_BY, PackedBatch
+from packfn.data import CLOSED_BY, PackedBatch
 
 from tests.strategies_packer import Budgets, round_up
 

@@ -2,21 +2,20 @@
 
 - :mod:`packfn.distributed.cp`: contiguous context parallelism
   (:func:`shard_packed_batch`, the local-query attention inputs of a rank,
-  :func:`gather_sequence`).
+  :func:`all_gather_sequence`).
 - :mod:`packfn.distributed.microbatch`: :func:`split_batch_metadata`.
 
 NeMo AutoModel's ``shard_cp_batch`` and its ``gather_sequence`` are in
 :mod:`packfn.nemo_automodel`.
 """
 
-from packfn._deprecated import moved_names
 from packfn.distributed.cp import (
     CPShard,
     CPVarlenMetadata,
     cp_block_causal_mask,
     cp_document_block_mask,
     cp_varlen_metadata,
-    gather_sequence,
+    all_gather_sequence,
     shard_packed_batch,
 )
 from packfn.distributed.microbatch import split_batch_metadata
@@ -27,12 +26,7 @@ __all__ = [
     "cp_block_causal_mask",
     "cp_document_block_mask",
     "cp_varlen_metadata",
-    "gather_sequence",
+    "all_gather_sequence",
     "shard_packed_batch",
     "split_batch_metadata",
 ]
-
-__getattr__ = moved_names(
-    __name__,
-    {name: f"packfn.nemo_automodel:{name}" for name in ("ShardLayout", "shard_cp_batch")},
-)

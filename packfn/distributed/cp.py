@@ -4,7 +4,7 @@ A packed batch is laid out in aligned rows (:func:`packfn.aligned_layout`)
 of a fixed row budget ``budget``. With context parallelism over ``world``
 ranks, rank ``r`` keeps the query columns ``[r * local, (r + 1) * local)``
 of every row, ``local = budget // world``, and attends the keys of the whole
-row, which it gathers from every rank (:func:`gather_sequence`). Example,
+row, which it gathers from every rank (:func:`all_gather_sequence`). Example,
 ``world=2``, ``alignment=2``, ``budget=8``, documents of 3 and 2 tokens::
 
     sequence_ids      = [[1, 1, 1, 0, 2, 2, 0, 0]]    (the whole row: keys)
@@ -21,7 +21,7 @@ local-query, global-key attention inputs of a rank from its
 :class:`CPShard`.
 
 The NeMo AutoModel drop-ins (``shard_cp_batch``, upstream's
-``gather_sequence``) are in :mod:`packfn.nemo_automodel`.
+``all_gather_sequence``) are in :mod:`packfn.nemo_automodel`.
 
 NOTE [Why the budget is a multiple of world * alignment]
 Each rank keeps ``budget // world`` columns. A multiple of ``alignment`` per
@@ -51,7 +51,7 @@ __all__ = [
     "cp_block_causal_mask",
     "cp_document_block_mask",
     "cp_varlen_metadata",
-    "gather_sequence",
+    "all_gather_sequence",
     "shard_packed_batch",
 ]
 
@@ -406,7 +406,7 @@ def wait(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.wait() if isinstance(tensor, AsyncCollectiveTensor) else tensor
 
 
-def gather_sequence(
+def all_gather_sequence(
     tensor: torch.Tensor, group: dist.ProcessGroup | None, *, check_shapes: bool = True
 ) -> torch.Tensor:
     """Gather rank-ordered sequence shards along axis 1, with no host read.
@@ -444,14 +444,14 @@ def gather_sequence(
         everyone = shape_descriptors(tensor, group)
         torch._assert_async(
             (everyone == everyone[:1]).all() & gatherable(everyone[:, 0]).all(),
-            "gather_sequence: shards differ in shape, dtype or requires_grad across ranks, "
+            "all_gather_sequence: shards differ in shape, dtype or requires_grad across ranks, "
             f"or have fewer than 2 or more than {MAX_AXES} axes",
         )
     return gather_checked(tensor, group)
 
 
 def gather_checked(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """:func:`gather_sequence` past the descriptor check."""
+    """:func:`all_gather_sequence` past the descriptor check."""
     if not gatherable(tensor.ndim):
         raise ValueError(f"tensor must have 2 to {MAX_AXES} axes [batch, local_sequence, ...], got {tensor.ndim}")
     # Gathered along axis 0 ([world * batch, local, ...]) and moved into place

@@ -4,7 +4,7 @@
 all-reduces it when asked), as upstream does; ``gather_sequence`` checks the
 ranks' shapes in eager with a ``ValueError`` naming each rank's shard. The
 static forms, with a fixed budget and no host read, are
-:func:`packfn.shard_packed_batch` and :func:`packfn.distributed.gather_sequence`.
+:func:`packfn.shard_packed_batch` and :func:`packfn.distributed.all_gather_sequence`.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ def gather_sequence(
 ) -> torch.Tensor:
     """Gather rank-ordered sequence shards along axis 1 (drop-in for upstream ``gather_sequence``).
 
-    As :func:`packfn.distributed.gather_sequence`, but in eager the shape
+    As :func:`packfn.distributed.all_gather_sequence`, but in eager the shape
     check reads every rank's descriptor back and raises ``ValueError`` on
     every rank, naming each rank's shard (NOTE [Shapes are checked before
     the gather] in :mod:`packfn.distributed.cp`); under ``torch.compile`` it

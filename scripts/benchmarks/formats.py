@@ -17,9 +17,9 @@ import types
 import torch
 
 import packfn
-from packfn import megatron as packfn_megatron
-from packfn import torchtune as packfn_torchtune
-from packfn.hf import PackedCollator
+from packfn.integrations import megatron as packfn_megatron
+from packfn.integrations import torchtune as packfn_torchtune
+from packfn.integrations.hf import PackedCollator
 
 from benchmarks.common import FLOOR, Case, Inputs, count_data_dependent, floor_variant
 

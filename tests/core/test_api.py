@@ -1,22 +1,17 @@
-"""The public API by layer: the core's names, and every deprecated spelling of the layering, still working."""
+"""The public API by layer: the core's names, the drop-ins' names, and the import graph between the layers."""
 
 from __future__ import annotations
 
+import ast
 import importlib
 import subprocess
 import sys
-import warnings
+from pathlib import Path
 
 import pytest
-import torch
 
 import packfn
 import packfn.nemo_automodel
-from packfn.packer import pack_documents
-
-from tests.assertions import assert_layouts_equal, assert_same
-from tests.compiling import traced
-from tests.strategies import EXAMPLE
 
 CORE_NAMES = {
     "BatchMetadata",
@@ -117,7 +112,7 @@ def test_import_packfn_does_not_import_the_drop_ins():
         "import sys\n"
         "import packfn\n"
         "assert 'packfn.nemo_automodel' not in sys.modules\n"
-        "import packfn.attention, packfn.distributed, packfn.hf, packfn.packer\n"
+        "import packfn.distributed, packfn.data, packfn.integrations.hf\n"
         "leaked = sorted(name for name in sys.modules if name.startswith('packfn.nemo_automodel'))\n"
         "assert not leaked, leaked\n"
     )
@@ -125,165 +120,76 @@ def test_import_packfn_does_not_import_the_drop_ins():
     assert result.returncode == 0, result.stderr[-3000:]
 
 
-# ------------------------------------------------------------ deprecated spellings
+# ------------------------------------------------------------ the import graph
 
-NEMO = "packfn.nemo_automodel"
+PACKAGE = Path(packfn.__file__).parent
+OUTER_LAYERS = ("packfn.integrations", "packfn.nemo_automodel")
 
-# (module, old name, new module, new name)
-MOVED_NAMES = [
-    *(
-        ("packfn", name, NEMO, name)
-        for name in (
-            "PackedSeqParams",
-            "PackedSequenceMetadata",
-            "ShardLayout",
-            "build_packed_sequence_metadata",
-            "flatten_packed_sequence_metadata",
-            "gather_sequence",
-            "get_seqlens_in_batch",
-            "get_unpad_data",
-            "packed_layout",
-            "packed_seq_params_from_doc_ids",
-            "resolve_packing_contract",
-            "shard_cp_batch",
-            "to_flash_attention_kwargs",
-        )
-    ),
-    ("packfn", "hf_model_inputs", "packfn.hf", "hf_model_inputs"),
-    *(
-        ("packfn.metadata", name, NEMO, name)
-        for name in (
-            "PackedSequenceMetadata",
-            "build_packed_sequence_metadata",
-            "flatten_packed_sequence_metadata",
-            "get_seqlens_in_batch",
-            "get_unpad_data",
-        )
-    ),
-    ("packfn.layout", "packed_layout", NEMO, "packed_layout"),
-    ("packfn.distributed", "ShardLayout", NEMO, "ShardLayout"),
-    ("packfn.distributed", "shard_cp_batch", NEMO, "shard_cp_batch"),
-    ("packfn.contract", "resolve_packing_contract", NEMO, "resolve_packing_contract"),
-    (
-        "packfn.contract",
-        "_LEGACY_FLASH_ATTENTION_IMPLEMENTATIONS",
-        "packfn.nemo_automodel.contract",
-        "_LEGACY_FLASH_ATTENTION_IMPLEMENTATIONS",
-    ),
-    *(
-        ("packfn.attention", name, module, name)
-        for name, module in (
-            ("block_causal_mask", "packfn.masks"),
-            ("document_block_mask", "packfn.masks"),
-            ("document_mask_mod", "packfn.masks"),
-            ("PhysicalVarlenMetadata", "packfn.varlen"),
-            ("physical_varlen_metadata", "packfn.varlen"),
-            ("pad", "packfn.varlen"),
-            ("unpad", "packfn.varlen"),
-            ("packed_position_ids", "packfn.formats"),
-            ("packed_attention_inputs", "packfn.contract"),
-            ("PackedSeqParams", NEMO),
-            ("packed_seq_params_from_doc_ids", NEMO),
-            ("to_flash_attention_kwargs", NEMO),
-        )
-    ),
-]
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: Path) -> list[tuple[str, str | None]]:
+    """``(module, name)`` of every packfn import in a file: ``name`` is None for ``import module``."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found += [(alias.name, None) for alias in node.names if alias.name.startswith("packfn")]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("packfn"):
+            found += [(node.module, alias.name) for alias in node.names]
+    return found
+
+
+MODULES = {_module_name(path): path for path in sorted(PACKAGE.rglob("*.py"))}
+
+
+def _in(module: str, layer: str) -> bool:
+    return module == layer or module.startswith(layer + ".")
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_no_module_imports_a_private_name_of_another(module):
+    """A module uses another's public names only (a private module such as ``packfn._ops`` is fine)."""
+    private = [
+        f"{source}.{name}"
+        for source, name in _imports(MODULES[module])
+        if name is not None and name.startswith("_") and source != module
+    ]
+    assert not private, f"{module} imports private names: {private}"
 
 
 @pytest.mark.parametrize(
-    ("module", "old", "new_module", "new"), MOVED_NAMES, ids=[f"{case[0]}.{case[1]}" for case in MOVED_NAMES]
+    "module", sorted(name for name in MODULES if not any(_in(name, layer) for layer in OUTER_LAYERS))
 )
-def test_a_moved_name_still_works_and_warns_naming_its_new_place(module, old, new_module, new):
-    with pytest.warns(DeprecationWarning, match=f"{module}.{old} is deprecated; use {new_module}.{new}") as caught:
-        value = getattr(importlib.import_module(module), old)
-    assert value is getattr(importlib.import_module(new_module), new)
-    assert caught[0].filename == __file__  # the warning points at the code that used the old name
+def test_the_core_and_the_data_side_import_no_integration_and_no_drop_in(module):
+    outward = [
+        source
+        for source, name in _imports(MODULES[module])
+        for target in (source if name is None else f"{source}.{name}",)
+        if any(_in(target, layer) for layer in OUTER_LAYERS)
+    ]
+    assert not outward, f"{module} imports {outward}"
 
 
-@pytest.mark.parametrize("module", sorted({case[0] for case in MOVED_NAMES}))
-def test_an_unknown_name_is_still_an_attribute_error(module):
-    with pytest.raises(AttributeError, match="no attribute 'no_such_name'"):
-        importlib.import_module(module).no_such_name  # noqa: B018
+@pytest.mark.parametrize("module", sorted(name for name in MODULES if _in(name, "packfn.integrations")))
+def test_the_integrations_import_no_drop_in(module):
+    outward = [source for source, _ in _imports(MODULES[module]) if _in(source, "packfn.nemo_automodel")]
+    assert not outward, f"{module} imports {outward}"
 
 
-@pytest.mark.parametrize("function", [packfn.varlen_metadata, packfn.batch_metadata], ids=lambda f: f.__name__)
-def test_attention_mask_keyword_still_works_and_warns(function):
-    message = rf"{function.__name__}\(attention_mask=...\) is deprecated; use document_ids="
-    with pytest.warns(DeprecationWarning, match=message):
-        old = function(attention_mask=EXAMPLE, max_documents=2)
-    assert_same(tuple(old), tuple(function(document_ids=EXAMPLE, max_documents=2)))
-    assert_same(tuple(old), tuple(function(EXAMPLE, max_documents=2)))
-
-
-def test_length_keyword_of_aligned_layout_still_works_and_warns():
-    lengths, spans = torch.tensor([[3, 0, 5]]), torch.tensor([[4, 0, 5]])
-    with pytest.warns(DeprecationWarning, match=r"aligned_layout\(length=...\) is deprecated; use budget="):
-        old = packfn.aligned_layout(lengths, spans, sequence_length=9, alignment=4, length=12)
-    assert_layouts_equal(old, packfn.aligned_layout(lengths, spans, sequence_length=9, alignment=4, budget=12))
-
-
-@pytest.mark.parametrize(
-    "call",
-    [
-        lambda: packfn.varlen_metadata(document_ids=EXAMPLE, attention_mask=EXAMPLE),
-        lambda: packfn.batch_metadata(document_ids=EXAMPLE, attention_mask=EXAMPLE),
-        lambda: packfn.aligned_layout(torch.tensor([[3]]), sequence_length=4, alignment=4, length=4, budget=4),
-    ],
-    ids=["varlen_metadata", "batch_metadata", "aligned_layout"],
-)
-def test_an_old_and_a_new_keyword_together_are_a_type_error(call):
-    with pytest.raises(TypeError, match=r"got both (attention_mask|length)= and its new name (document_ids|budget)="):
-        call()
-
-
-def test_aligned_length_still_works_and_warns():
-    with pytest.warns(DeprecationWarning, match=r"packfn\.aligned_length is deprecated; use packfn\.safe_budget"):
-        assert packfn.aligned_length(9, 3, 4, 21) == packfn.safe_budget(9, 3, 4, 21) == 24
-    with pytest.warns(DeprecationWarning, match="use packfn.safe_budget"):
-        assert packfn.aligned_length(9, 3, 4) == packfn.safe_budget(9, 3, 4) == 16
-    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="sequence_length must not be negative"):
-        packfn.aligned_length(-1, 3, 4)
-
-
-def test_packed_batch_fill_still_works_and_warns():
-    packed = pack_documents([5, 3, 6], sequence=16, alignment=4, max_documents=3)
-    with pytest.warns(DeprecationWarning, match=r"PackedBatch\.fill is deprecated; use PackedBatch\.fill_ratio"):
-        fill = packed.fill
-    assert fill == packed.fill_ratio
-
-
-@pytest.mark.parametrize("mask_type", ["block_causal", "document_ids", "flash_varlen"])
-@pytest.mark.parametrize("metadata", [False, True], ids=["no_metadata", "metadata"])
-def test_packed_attention_inputs_static_false_still_works_and_warns(mask_type, metadata):
-    contract = packfn.contract._DefaultPackedSequenceContract(mask_type, metadata)
-    tokens = EXAMPLE * 7
-    message = (
-        r"packed_attention_inputs\(static=False\) is deprecated; use packfn\.nemo_automodel\.packed_attention_inputs"
-    )
-    with pytest.warns(DeprecationWarning, match=message):
-        old = packfn.packed_attention_inputs(EXAMPLE, contract, input_ids=tokens, static=False)
-    assert_same(old, packfn.nemo_automodel.packed_attention_inputs(EXAMPLE, contract, input_ids=tokens))
-
-
-def _deprecated_keywords(mask, seq_lens):
-    flat = packfn.varlen_metadata(attention_mask=mask, max_documents=2)
-    batch = packfn.batch_metadata(attention_mask=mask, max_documents=2)
-    layout = packfn.aligned_layout(seq_lens, sequence_length=9, alignment=4, length=packfn.aligned_length(9, 3, 4))
-    return flat.cu_seqlens, batch.cu_seqlens, layout.source_indices
-
-
-def _new_keywords(mask, seq_lens):
-    flat = packfn.varlen_metadata(document_ids=mask, max_documents=2)
-    batch = packfn.batch_metadata(document_ids=mask, max_documents=2)
-    layout = packfn.aligned_layout(seq_lens, sequence_length=9, alignment=4, budget=packfn.safe_budget(9, 3, 4))
-    return flat.cu_seqlens, batch.cu_seqlens, layout.source_indices
-
-
-def test_deprecated_spellings_work_silently_under_torch_compile():
-    """packfn._deprecated warns in eager only: a compiled forward neither warns nor breaks its graph."""
-    seq_lens = torch.tensor([[3, 0, 5]])
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        compiled = traced(_deprecated_keywords)(EXAMPLE, seq_lens)
-    assert not [str(warning.message) for warning in caught if issubclass(warning.category, DeprecationWarning)]
-    assert_same(compiled, _new_keywords(EXAMPLE, seq_lens))
+def test_one_function_per_public_name_across_the_package():
+    """A public name means one thing: no two modules define different objects under one ``__all__`` name."""
+    seen: dict[str, tuple[str, object]] = {}
+    clashes = []
+    for module in sorted(MODULES):
+        imported = importlib.import_module(module)
+        for name in getattr(imported, "__all__", ()):
+            value = getattr(imported, name)
+            if isinstance(value, (str, int, float, tuple, frozenset)):
+                continue
+            if name in seen and seen[name][1] is not value:
+                clashes.append(f"{name}: {seen[name][0]} and {module}")
+            seen.setdefault(name, (module, value))
+    assert not clashes, clashes

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from torch.utils.data import DataLoader
 
 from packfn import aligned_layout, packed_position_ids, varlen_metadata
-from packfn import data as data_module
+from packfn.data import loader as data_module
 from packfn.data import BATCH_KEYS, IGNORE_INDEX, PackedDataset
 
 from tests.strategies_packer import budgets, token_documents

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 import packfn
 from packfn import pack_documents, pack_stream, suggest_budgets
-from packfn.packer import PackedBatch
+from packfn.data import PackedBatch
 
 from tests.assertions_packer import assert_fits_the_static_ops, assert_rows_within_budgets
 from tests.references_packer import best_fit_decreasing
@@ -191,7 +191,7 @@ def test_carried_rows_fill_up_in_the_next_window():
 
 
 def test_top_level_names_and_strategy_errors():
-    assert packfn.suggest_budgets is suggest_budgets and packfn.PackedDataset.__module__ == "packfn.data"
+    assert packfn.suggest_budgets is suggest_budgets and packfn.PackedDataset.__module__ == "packfn.data.loader"
     with pytest.raises(ValueError, match="strategy must be one of 'best_fit', 'next_fit', got 'first_fit'"):
         pack_documents([3], sequence=8, alignment=1, max_documents=2, strategy="first_fit")
     with pytest.raises(ValueError, match="window must be positive"):

@@ -35,7 +35,7 @@ import packfn.nemo_automodel as drop_ins
 from packfn.distributed import (
     cp_block_causal_mask,
     cp_varlen_metadata,
-    gather_sequence,
+    all_gather_sequence,
     shard_packed_batch,
 )
 
@@ -194,7 +194,7 @@ def sharded_loss(params, seq_lens, tokens, labels, count, rank, world, kind):
         metadata = cp_varlen_metadata(shard)
         attend = varlen_attention(metadata.cu_seqlens_q, metadata.cu_seqlens_k)
     group = dist.group.WORLD
-    return tiny_attention(params, shard.input_ids, shard.labels, attend, lambda t: gather_sequence(t, group), count)
+    return tiny_attention(params, shard.input_ids, shard.labels, attend, lambda t: all_gather_sequence(t, group), count)
 
 
 def assert_same_run(actual, expected) -> None:
@@ -240,7 +240,7 @@ def check_gather_sequence_matches_upstream(rank, world):
     group = dist.group.WORLD
     weights = torch.randn(2, 3 * world, 4, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
     # The drop-in, and the core's static form: upstream's values and gradients both.
-    for ours in (drop_ins.gather_sequence, gather_sequence):
+    for ours in (drop_ins.gather_sequence, all_gather_sequence):
         grads = []
         for gather in (ours, upstream):
             shard = (torch.arange(24, dtype=torch.float64).view(2, 3, 4) * (rank + 1)).requires_grad_()
@@ -349,16 +349,16 @@ def check_gather_of_different_shapes_raises_on_every_rank(rank, world):
     # The core's static form: the same checks as one sync-free assert on every rank, in eager too.
     for broken in (shard, torch.zeros(2, 4).requires_grad_(rank == 0), one_axis_on_rank_0, nine_axes_on_rank_0):
         with pytest.raises(RuntimeError, match="shards differ in shape, dtype or requires_grad across ranks"):
-            gather_sequence(broken, group)
-    assert torch.equal(gather_sequence(full, group), torch.arange(float(world)).view(1, -1))
+            all_gather_sequence(broken, group)
+    assert torch.equal(all_gather_sequence(full, group), torch.arange(float(world)).view(1, -1))
     # Compiled, the check is a sync-free assert that fires before the gather, on every rank.
-    for gather in (drop_ins.gather_sequence, gather_sequence):
+    for gather in (drop_ins.gather_sequence, all_gather_sequence):
         torch._dynamo.reset()
         compiled = torch.compile(lambda t, gather=gather: gather(t, group) * 2, fullgraph=True, backend="aot_eager")
         with pytest.raises(RuntimeError, match="shards differ in shape, dtype or requires_grad across ranks"):
             compiled(shard)
     # The group is still usable afterwards.
-    assert gather_sequence(torch.zeros(2, 4), group).shape == (2, 4 * world)
+    assert all_gather_sequence(torch.zeros(2, 4), group).shape == (2, 4 * world)
 
 
 CHECKS = {

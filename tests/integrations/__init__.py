@@ -1,4 +1,4 @@
-"""Tests of the integrations that stand on the core (:mod:`packfn.hf`, scripts/hf_train.py)."""
+"""Tests of the integrations that stand on the core (:mod:`packfn.integrations.hf`, scripts/hf_train.py)."""
 
 SIZES = dict(
     hidden_size=32,

@@ -17,7 +17,7 @@ from transformers import masking_utils
 from trl.trainer import sft_trainer as trl_sft
 
 import packfn
-from packfn.hf import PackedCollator
+from packfn.integrations.hf import PackedCollator
 
 from benchmarks.formats import titan  # torchtitan's attention module, imported without triton
 from tests.assertions import assert_same

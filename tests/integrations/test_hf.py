@@ -23,7 +23,7 @@ from transformers import (
 )
 
 import packfn
-from packfn.hf import hf_model_inputs
+from packfn.integrations.hf import hf_model_inputs
 
 from tests.integrations import SIZES
 from tests.references import document_spans, segments_attention, shift_labels_reference
@@ -258,7 +258,7 @@ def test_compiled_training_step_has_no_graph_break_and_no_recompile():
 
 
 def test_transformers_own_packed_path_needs_use_cache_false():
-    """NOTE [transformers' own packed path needs use_cache=False] (packfn/hf.py).
+    """NOTE [transformers' own packed path needs use_cache=False] (packfn/integrations/hf.py).
 
     If this fails on the first assertion, transformers now detects packed
     sequences with the default ``use_cache=True``: update the README's pitfall.

@@ -13,7 +13,7 @@ import torch
 import transformers
 
 import packfn
-from packfn.hf import hf_model_inputs
+from packfn.integrations.hf import hf_model_inputs
 
 from tests.integrations import SIZES
 from tests.references import document_spans

@@ -6,7 +6,7 @@ import torch
 from torch.export import Dim
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from packfn.hf import hf_model_inputs
+from packfn.integrations.hf import hf_model_inputs
 
 DOCUMENT_IDS = torch.tensor([[1, 1, 2, 2, 2, 0], [1, 1, 1, 1, 0, 0]])
 

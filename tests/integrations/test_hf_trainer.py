@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch._dynamo.utils import counters
 
-from packfn.hf import PackedCausalLM, PackedCollator
+from packfn.integrations.hf import PackedCausalLM, PackedCollator
 
 from tests.assertions import assert_same
 

@@ -1,4 +1,4 @@
-"""packfn.megatron against megatron-core: the ltor masks drop-in and THD PackedSeqParams.
+"""packfn.integrations.megatron against megatron-core: the ltor masks drop-in and THD PackedSeqParams.
 
 The oracle is megatron-core's ``_get_ltor_masks_and_position_ids``: 0.16.1
 on Python 3.11 (the test extra), 0.19.2 on Python 3.12 (``.ci/run`` runs this
@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from megatron.core.datasets.gpt_dataset import _get_ltor_masks_and_position_ids
 
 import packfn
-from packfn import megatron
+from packfn.integrations import megatron
 
 from tests.assertions import assert_same, outcome
 from tests.strategies_formats import PackedRows, packed_rows
@@ -83,7 +83,7 @@ def test_packed_seq_params_fill_megatron_s_class_when_it_is_loaded():
     upstream = megatron_packed_seq_params
     params = megatron.packed_seq_params(torch.tensor([[1, 1, 2, 2, 2, 0], [1, 1, 1, 1, 0, 0]]), max_documents=2)
     assert type(params) is upstream.PackedSeqParams
-    own = {field for field in megatron.PackedSeqParams.__dataclass_fields__}
+    own = {field for field in megatron.MegatronPackedSeqParams.__dataclass_fields__}
     assert set(upstream.PackedSeqParams.__dataclass_fields__) <= own
     # megatron's own seq_idx from the padded boundaries (its __post_init__, data-sized) covers every token.
     if "total_tokens" in upstream.PackedSeqParams.__dataclass_fields__:  # megatron-core 0.19
@@ -92,5 +92,5 @@ def test_packed_seq_params_fill_megatron_s_class_when_it_is_loaded():
 
 
 def test_packed_seq_params_without_megatron_use_packfn_s_dataclass():
-    params = megatron.packed_seq_params(torch.tensor([[1, 1, 0]]), params_class=megatron.PackedSeqParams)
-    assert type(params) is megatron.PackedSeqParams and params.cp_group is None
+    params = megatron.packed_seq_params(torch.tensor([[1, 1, 0]]), params_class=megatron.MegatronPackedSeqParams)
+    assert type(params) is megatron.MegatronPackedSeqParams and params.cp_group is None

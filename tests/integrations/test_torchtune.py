@@ -1,4 +1,4 @@
-"""packfn.torchtune against torchtune 0.6.1: the packed collate function, its document ids, the static batch."""
+"""packfn.integrations.torchtune against torchtune 0.6.1: the packed collate function, its document ids, the static batch."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from torchtune.data import padded_collate_packed
 from torchtune.datasets import PackedDataset
 from torchtune.modules.attention_utils import _get_document_ids_from_seq_lens
 
-from packfn import torchtune as ours
+from packfn.integrations import torchtune as ours
 
 from tests.assertions import assert_same, outcome
 

@@ -2,7 +2,7 @@
 
 Nothing here imports megatron. :func:`packed_seq_params` fills megatron's own
 ``PackedSeqParams`` when ``megatron.core.packed_seq_params`` has been imported
-(or when given the class), and otherwise packfn's :class:`PackedSeqParams`, a
+(or when given the class), and otherwise packfn's :class:`MegatronPackedSeqParams`, a
 dataclass with the same fields. :func:`get_ltor_masks_and_position_ids` is
 megatron-core's ``megatron.core.datasets.gpt_dataset._get_ltor_masks_and_position_ids``
 (0.16 to 0.19; private there): same signature, outputs and dtypes, without
@@ -26,7 +26,7 @@ from packfn.formats import thd_metadata
 from packfn.masks import causal_band_mask
 
 __all__ = [
-    "PackedSeqParams",
+    "MegatronPackedSeqParams",
     "_get_ltor_masks_and_position_ids",
     "get_ltor_masks_and_position_ids",
     "packed_seq_params",
@@ -34,7 +34,7 @@ __all__ = [
 
 
 @dataclasses.dataclass
-class PackedSeqParams:
+class MegatronPackedSeqParams:
     """megatron-core's ``PackedSeqParams`` fields (0.19), for building THD parameters where megatron is absent."""
 
     qkv_format: str | None = None
@@ -55,7 +55,7 @@ class PackedSeqParams:
 def _params_class() -> type:
     """megatron's ``PackedSeqParams`` if its module is loaded, else packfn's."""
     module = sys.modules.get("megatron.core.packed_seq_params")
-    return getattr(module, "PackedSeqParams", PackedSeqParams)
+    return getattr(module, "PackedSeqParams", MegatronPackedSeqParams)
 
 
 def packed_seq_params(
@@ -82,7 +82,7 @@ def packed_seq_params(
         max_documents: The most documents of a row (default ``sequence``).
         params_class: The class to fill (default: megatron's
             ``PackedSeqParams`` if ``megatron.core.packed_seq_params`` is
-            loaded, else :class:`PackedSeqParams`).
+            loaded, else :class:`MegatronPackedSeqParams`).
 
     Returns:
         An instance of ``params_class``.

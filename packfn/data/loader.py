@@ -1,7 +1,7 @@
 """A data loader of packed batches over tokenized examples (plain Python and ``torch.utils.data``, no ops).
 
 :class:`PackedDataset` is a ``torch.utils.data.IterableDataset`` whose items
-are whole batches with static shapes, packed by :mod:`packfn.packer` (best
+are whole batches with static shapes, packed by :mod:`packfn.data.packer` (best
 fit over a window of documents by default) under the static budgets, so
 every batch passes ``varlen_metadata(document_ids, max_documents=...)`` and
 ``aligned_layout(seq_lens, seq_lens_padded, ..., budget=...)``. Wrap it in a
@@ -19,7 +19,7 @@ by position: with ``shards = world * num_workers``, worker ``w`` of rank
 shards, ...`` of the epoch's order (the examples in order, or a seeded
 permutation of them with ``shuffle=True``), so the shards' union is the
 dataset and no document is in two. Each shard packs its own documents a
-window at a time (NOTE [Windows and carried rows] in :mod:`packfn.packer`),
+window at a time (NOTE [Windows and carried rows] in :mod:`packfn.data.packer`),
 deterministically. Its state is small: the position of its current window
 in its documents, how many batches of that window it has sent, and the
 rows it carried into the window (document, offset and length of their
@@ -34,29 +34,21 @@ the number of batches the training loop consumed (workers take turns).
 
 from __future__ import annotations
 
-import array
 import itertools
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping
 from typing import Any, NamedTuple
 
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from packfn._checks import check_int, check_positive_int
-from packfn.packer import (
-    _batch_and_items,
-    _budgets,
-    _Carry,
-    _Items,
-    _pack_window,
-    _Window,
-    token_positions,
-)
+from packfn.data.batch import token_positions
+from packfn.data.examples import IGNORE_INDEX, Examples, Tokens, concatenate, decode_example
+from packfn.data.fit import Items, checked_budgets
+from packfn.data.packer import Carry, Window, batch_and_items, pack_window
 
 __all__ = ["BATCH_KEYS", "IGNORE_INDEX", "PackedDataset"]
 
-IGNORE_INDEX = -100
-"""The label of a token that takes no loss (padding, and tokens a ``loss_mask`` drops)."""
 
 BATCH_KEYS = (
     "input_ids",
@@ -74,198 +66,6 @@ BATCH_KEYS = (
 _STATE_VERSION = 1
 
 
-class _Tokens(NamedTuple):
-    """A window's documents: their indices, int64 ``[documents]`` lengths, and flat int64 tokens and labels."""
-
-    document: torch.Tensor
-    length: torch.Tensor
-    tokens: torch.Tensor | None  # None when only lengths were read
-    labels: torch.Tensor | None  # None when the labels are the tokens
-
-
-# ------------------------------------------------------------------ reading examples
-
-
-def _token_tensor(values: object, index: int, name: str, *, kind: str = "example") -> torch.Tensor:
-    """A 1-D int64 tensor of an example's (or a collator feature's) ``name`` (``input_ids``, ``labels``)."""
-    if isinstance(values, list) and values and type(values[0]) is not bool:
-        # Ints through a C array: several times faster than torch.as_tensor on a list. The array refuses
-        # floats and strings (TypeError: the checks below name them) and ids past int64.
-        try:
-            return torch.frombuffer(array.array("q", values), dtype=torch.int64)
-        except OverflowError:
-            raise ValueError(f"{kind} {index}: {name} holds token ids outside int64") from None
-        except TypeError:
-            pass
-    try:
-        tensor = torch.as_tensor(values)
-    except (TypeError, ValueError, RuntimeError):
-        raise TypeError(
-            f"{kind} {index}: {name} must be a sequence of integer token ids, got {type(values).__name__}"
-        ) from None
-    if tensor.numel() == 0 and tensor.ndim == 1:
-        return tensor.to(torch.int64)  # an empty example: its caller names the problem
-    if tensor.dtype.is_floating_point or tensor.dtype.is_complex or tensor.dtype == torch.bool:
-        raise TypeError(f"{kind} {index}: {name} must hold integer token ids, got dtype {tensor.dtype}")
-    if tensor.ndim != 1:
-        raise ValueError(f"{kind} {index}: {name} must be 1-D, got shape {tuple(tensor.shape)}")
-    _check_int64(tensor, f"{kind} {index}: {name}")
-    return tensor.to(torch.int64)
-
-
-def _check_int64(tensor: torch.Tensor, name: str) -> None:
-    """Raise ``ValueError`` for unsigned 64-bit ids that int64 cannot hold (they would turn negative)."""
-    if tensor.dtype == torch.uint64 and tensor.numel() and bool((tensor.view(torch.int64) < 0).any()):
-        raise ValueError(f"{name} holds token ids of 2**63 or more, which int64 cannot hold")
-
-
-def _decode(example: object, index: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``(input_ids, labels or None)`` of one example: a mapping with ``input_ids`` or the token ids themselves."""
-    labels = loss_mask = None
-    if isinstance(example, Mapping):
-        if example.get("input_ids") is None:
-            raise ValueError(f"example {index} has no 'input_ids' (keys: {sorted(map(str, example))})")
-        tokens = _token_tensor(example["input_ids"], index, "input_ids")
-        if example.get("labels") is not None:
-            labels = _token_tensor(example["labels"], index, "labels")
-        if example.get("loss_mask") is not None:
-            try:
-                loss_mask = torch.as_tensor(example["loss_mask"])
-            except (TypeError, ValueError, RuntimeError):
-                raise TypeError(
-                    f"example {index}: loss_mask must be a sequence of 0 / 1 (or bool) entries, "
-                    f"got {type(example['loss_mask']).__name__}"
-                ) from None
-    else:
-        token_like = isinstance(example, (Sequence, torch.Tensor)) or hasattr(example, "__array_interface__")
-        if isinstance(example, (str, bytes)) or not token_like:
-            raise TypeError(
-                f"example {index} must be a mapping with 'input_ids' or a sequence of token ids, "
-                f"got {type(example).__name__}"
-            )
-        tokens = _token_tensor(example, index, "input_ids")
-    if tokens.numel() == 0:
-        raise ValueError(f"example {index} is empty: a document needs at least one token")
-    for name, values in (("labels", labels), ("loss_mask", loss_mask)):
-        if values is not None and values.shape != tokens.shape:
-            raise ValueError(
-                f"example {index}: {name} must have as many entries as input_ids, "
-                f"got {tuple(values.shape)} and {tuple(tokens.shape)}"
-            )
-    if loss_mask is not None:
-        labels = (tokens if labels is None else labels).masked_fill(loss_mask == 0, IGNORE_INDEX)
-    return tokens, labels
-
-
-def _concatenate(
-    documents: list[int], decoded: list[tuple[torch.Tensor, torch.Tensor | None]], lengths_only: bool
-) -> _Tokens:
-    length = torch.tensor([tokens.shape[0] for tokens, _ in decoded], dtype=torch.int64)
-    if lengths_only:
-        return _Tokens(torch.tensor(documents, dtype=torch.int64), length, None, None)
-    tokens = torch.cat([tokens for tokens, _ in decoded]) if decoded else torch.zeros(0, dtype=torch.int64)
-    labels = None
-    if any(labels is not None for _, labels in decoded):
-        labels = torch.cat([tokens if labels is None else labels for tokens, labels in decoded])
-    return _Tokens(torch.tensor(documents, dtype=torch.int64), length, tokens, labels)
-
-
-class _Examples:
-    """The user's examples behind one interface: indexed reads (lists, HF datasets) or one pass (other iterables)."""
-
-    def __init__(self, examples: object) -> None:
-        self.examples = examples
-        self.arrow = None
-        if hasattr(examples, "column_names") and hasattr(examples, "with_format"):  # an HF datasets.Dataset
-            columns = list(examples.column_names)
-            if "input_ids" not in columns:
-                raise ValueError(f"the dataset has no 'input_ids' column (columns: {columns})")
-            kept = [name for name in ("input_ids", "labels", "loss_mask") if name in columns]
-            self.arrow = examples.select_columns(kept).with_format("arrow")
-            self.count: int | None = len(examples)
-        elif isinstance(examples, Sequence) and not isinstance(examples, (str, bytes)):
-            self.count = len(examples)
-        elif isinstance(examples, Iterable) and not isinstance(examples, (str, bytes)):
-            if iter(examples) is examples:
-                raise TypeError(
-                    "examples must be re-iterable (a list, a datasets.Dataset, or an object whose __iter__ starts "
-                    "over): a one-shot iterator cannot be split across workers, shuffled or resumed"
-                )
-            self.count = None
-        else:
-            raise TypeError(
-                "examples must be a datasets.Dataset, a sequence or a re-iterable of examples, "
-                f"got {type(examples).__name__}"
-            )
-
-    def read(self, documents: list[int], *, lengths_only: bool = False) -> _Tokens:
-        """The examples at ``documents`` (indexable examples only)."""
-        if self.arrow is not None:
-            return self._read_arrow(documents, lengths_only)
-        return _concatenate(documents, [_decode(self.examples[index], index) for index in documents], lengths_only)
-
-    def _read_arrow(self, documents: list[int], lengths_only: bool) -> _Tokens:
-        import pyarrow as pa
-        import pyarrow.compute as pc
-
-        if not documents:  # nothing to read (an empty dataset's column may even be typed null)
-            nothing = torch.zeros(0, dtype=torch.int64)
-            return _Tokens(nothing, nothing, None if lengths_only else nothing, None)
-        table = self.arrow[documents]
-        columns = {name: table.column(name).combine_chunks() for name in table.column_names}
-        for name, column in columns.items():
-            if not (pa.types.is_list(column.type) or pa.types.is_large_list(column.type)):
-                raise TypeError(f"column {name!r} must hold lists of token ids, got {column.type}")
-            value_type = column.type.value_type
-            if name != "loss_mask" and not pa.types.is_integer(value_type):
-                raise TypeError(f"column {name!r} must hold integer token ids, got {value_type}")
-        ids = columns["input_ids"]
-        length = torch.from_numpy(
-            pc.list_value_length(ids).fill_null(0).to_numpy(zero_copy_only=False, writable=True)
-        ).long()
-        _check_lengths(documents, length, ids.is_null().to_numpy(zero_copy_only=False, writable=True))
-        if lengths_only:
-            return _Tokens(torch.tensor(documents, dtype=torch.int64), length, None, None)
-        flat = {
-            name: torch.from_numpy(column.flatten().to_numpy(zero_copy_only=False, writable=True))
-            for name, column in columns.items()
-        }
-        for name in ("input_ids", "labels"):
-            if name in flat:
-                _check_int64(flat[name], f"column {name!r}")
-        tokens = flat["input_ids"].to(torch.int64)
-        labels = flat["labels"].to(torch.int64) if "labels" in flat else None
-        for name in ("labels", "loss_mask"):
-            if name in columns:
-                counts = pc.list_value_length(columns[name]).fill_null(-1).to_numpy(zero_copy_only=False, writable=True)
-                wrong = torch.nonzero(torch.from_numpy(counts).long() != length).reshape(-1)
-                if wrong.numel():
-                    null = " (it is null: give every example one, or drop the column)" if counts[wrong[0]] < 0 else ""
-                    raise ValueError(
-                        f"example {documents[int(wrong[0])]}: {name} must have as many entries as input_ids{null}"
-                    )
-        if "loss_mask" in flat:
-            labels = (tokens if labels is None else labels).masked_fill(flat["loss_mask"] == 0, IGNORE_INDEX)
-        return _Tokens(torch.tensor(documents, dtype=torch.int64), length, tokens, labels)
-
-    def stream(self) -> Iterator[tuple[int, object]]:
-        """``(index, example)`` over all examples in order."""
-        if self.count is None:
-            return enumerate(self.examples)
-        return ((index, self.examples[index]) for index in range(self.count))
-
-
-def _check_lengths(documents: list[int], length: torch.Tensor, null) -> None:
-    """Raise for an example with no ``input_ids`` (a null) or none at all (an empty list)."""
-    null = torch.as_tensor(null, dtype=torch.bool)
-    if bool(null.any()):
-        raise ValueError(f"example {documents[int(torch.nonzero(null)[0, 0])]} has no 'input_ids' (null)")
-    if bool((length == 0).any()):
-        raise ValueError(
-            f"example {documents[int(torch.nonzero(length == 0)[0, 0])]} is empty: a document needs at least one token"
-        )
-
-
 # ------------------------------------------------------------------ the dataset
 
 
@@ -278,11 +78,11 @@ class _Shard(NamedTuple):
 
 
 def _fresh_state() -> dict[str, Any]:
-    empty = _Carry.empty()
+    empty = Carry.empty()
     return {"position": 0, "emitted": 0, "finished": False, "carry": _carry_state(empty)}
 
 
-def _carry_state(carry: _Carry) -> dict[str, torch.Tensor]:
+def _carry_state(carry: Carry) -> dict[str, torch.Tensor]:
     return {
         "document": carry.items.document,
         "offset": carry.items.offset,
@@ -293,10 +93,8 @@ def _carry_state(carry: _Carry) -> dict[str, torch.Tensor]:
     }
 
 
-def _carry_from_state(state: Mapping[str, torch.Tensor]) -> _Carry:
-    return _Carry(
-        _Items(state["document"], state["offset"], state["length"], state["total"]), state["row"], state["age"]
-    )
+def _carry_from_state(state: Mapping[str, torch.Tensor]) -> Carry:
+    return Carry(Items(state["document"], state["offset"], state["length"], state["total"]), state["row"], state["age"])
 
 
 class PackedDataset(IterableDataset):
@@ -308,7 +106,7 @@ class PackedDataset(IterableDataset):
     - ``input_ids`` int64 ``[B, S]``: the tokens, ``padding_token_id`` at padding;
     - ``labels`` int64 ``[B, S]``: the examples' labels (or ``input_ids``),
       ``-100`` where a ``loss_mask`` is 0 and at padding; unshifted, as
-      :func:`packfn.hf.hf_model_inputs` and transformers take them;
+      :func:`packfn.integrations.hf.hf_model_inputs` and transformers take them;
     - ``shift_labels`` int64 ``[B, S]``: each token's target, the label of
       the next token of its document (piece), ``-100`` at the last token
       and at padding: the ``labels`` of :func:`packfn.shard_packed_batch`;
@@ -369,7 +167,7 @@ class PackedDataset(IterableDataset):
         padding_token_id: int = 0,
     ) -> None:
         super().__init__()
-        self._budgets = _budgets(sequence, alignment, max_documents, budget, pad_to_multiple_of, split, strategy)
+        self._budgets = checked_budgets(sequence, alignment, max_documents, budget, pad_to_multiple_of, split, strategy)
         self.batch = check_positive_int(batch, "batch")
         self.window = check_positive_int(window, "window")
         self.world = check_positive_int(world, "world")
@@ -382,7 +180,7 @@ class PackedDataset(IterableDataset):
         self.seed = check_int(seed, "seed")
         self.padding_token_id = check_int(padding_token_id, "padding_token_id")
         self.shuffle, self.drop_last = shuffle, drop_last
-        self._examples = _Examples(examples)
+        self._examples = Examples(examples)
         if shuffle and self._examples.count is None:
             raise ValueError("shuffle=True needs indexable examples (a sequence or a datasets.Dataset)")
         self.epoch = 0
@@ -529,7 +327,7 @@ class PackedDataset(IterableDataset):
 
     def _windows(
         self, shard: _Shard, state: Mapping[str, Any] | None, lengths_only: bool
-    ) -> Iterator[tuple[_Window, torch.Tensor, Any, dict[str, Any]]]:
+    ) -> Iterator[tuple[Window, torch.Tensor, Any, dict[str, Any]]]:
         """Each batch a shard sends, from ``state``: ``(window, its rows, the window's tokens, the state after it)``."""
         state = dict(state or _fresh_state())
         if state["finished"]:
@@ -538,8 +336,8 @@ class PackedDataset(IterableDataset):
         while True:
             carry = _carry_from_state(state["carry"])
             tokens, final = reader.window(state["position"], self.window)
-            new = _Items(tokens.document, torch.zeros_like(tokens.length), tokens.length, tokens.length)
-            packed = _pack_window(carry, new, self._budgets, self.batch, final)
+            new = Items(tokens.document, torch.zeros_like(tokens.length), tokens.length, tokens.length)
+            packed = pack_window(carry, new, self._budgets, self.batch, final)
             store = None if lengths_only else reader.store(carry, tokens)
             for index, rows in enumerate(packed.batches):
                 if index < state["emitted"]:
@@ -572,7 +370,7 @@ def _turns(totals: list[int]) -> Iterator[int]:
 class _Reader:
     """Reads a shard's windows of documents, and the tokens of carried pieces a restored shard needs again."""
 
-    def __init__(self, examples: _Examples, dataset: PackedDataset, shard: _Shard, state, lengths_only: bool) -> None:
+    def __init__(self, examples: Examples, dataset: PackedDataset, shard: _Shard, state, lengths_only: bool) -> None:
         self.examples, self.shard, self.lengths_only = examples, shard, lengths_only
         self.order = dataset._order()[shard.index :: shard.count] if examples.count is not None else None
         self.stream = None
@@ -582,7 +380,7 @@ class _Reader:
         carry = state["carry"]
         self.wanted = set(carry["document"].tolist())
 
-    def window(self, position: int, size: int) -> tuple[_Tokens, bool]:
+    def window(self, position: int, size: int) -> tuple[Tokens, bool]:
         if self.order is not None:
             documents = self.order[position : position + size].tolist()
             # As pack_stream: a window that reads fewer documents than its size is the last one.
@@ -592,19 +390,19 @@ class _Reader:
         while self.read < position:  # a restored shard: skip what was read before, keeping carried documents
             next(self.stream)
         chunk = list(itertools.islice(self.stream, size))
-        decoded = [_decode(example, index) for index, example in chunk]
-        return _concatenate([index for index, _ in chunk], decoded, self.lengths_only), len(chunk) < size
+        decoded = [decode_example(example, index) for index, example in chunk]
+        return concatenate([index for index, _ in chunk], decoded, self.lengths_only), len(chunk) < size
 
     def _own(self) -> Iterator[tuple[int, object]]:
         for index, example in self.examples.stream():
             if index % self.shard.count != self.shard.index:
                 continue
             if index in self.wanted and self.kept is None:
-                self.carried[index] = _decode(example, index)
+                self.carried[index] = decode_example(example, index)
             self.read += 1
             yield index, example
 
-    def store(self, carry: _Carry, tokens: _Tokens) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    def store(self, carry: Carry, tokens: Tokens) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         """Flat tokens and labels of the window's items (carried pieces first), and where each item starts."""
         if self.kept is None:
             self.kept = self._restore(carry)
@@ -621,7 +419,7 @@ class _Reader:
         lengths = torch.cat([carry.items.length, tokens.length])
         return all_tokens, labels, torch.cumsum(lengths, 0) - lengths
 
-    def _restore(self, carry: _Carry) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _restore(self, carry: Carry) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The carried pieces' tokens of a restored shard, read again from their documents."""
         documents = carry.items.document.tolist()
         if not documents:
@@ -635,7 +433,7 @@ class _Reader:
         else:
             unique = sorted(set(documents))
             decoded = [self.carried[index] for index in unique]
-            read = _concatenate(unique, decoded, False)
+            read = concatenate(unique, decoded, False)
             starts = dict(zip(unique, (torch.cumsum(read.length, 0) - read.length).tolist(), strict=True))
             flat_tokens, flat_labels = read.tokens, read.labels
         source = torch.tensor([starts[document] for document in documents], dtype=torch.int64) + carry.items.offset
@@ -643,7 +441,7 @@ class _Reader:
         labels = None if flat_labels is None else flat_labels.index_select(0, positions)
         return flat_tokens.index_select(0, positions), labels
 
-    def keep(self, packed: _Window, store) -> None:
+    def keep(self, packed: Window, store) -> None:
         """Keep the tokens of the pieces carried into the next window."""
         tokens, labels, starts = store
         carried = packed.carried_pieces
@@ -707,11 +505,11 @@ class _PackedIterator:
                 return _tensors(packed, rows, store, self.dataset)
 
 
-def _tensors(packed: _Window, rows: torch.Tensor, store, dataset: PackedDataset) -> dict[str, torch.Tensor]:
+def _tensors(packed: Window, rows: torch.Tensor, store, dataset: PackedDataset) -> dict[str, torch.Tensor]:
     """The batch dict of ``rows`` of a packed window (see :class:`PackedDataset`)."""
     budgets, batch = dataset._budgets, dataset.batch
     sequence, cap = budgets.sequence, budgets.max_documents
-    result, item = _batch_and_items(packed.plan, packed.items, rows, batch, budgets)
+    result, item = batch_and_items(packed.plan, packed.items, rows, batch, budgets)
     tokens, labels, starts = store
     pieces = result.pieces
     # index_select / index_copy_, not advanced indexing: NOTE [No advanced indexing on the packing path] (packer.py)

@@ -389,7 +389,7 @@ class PackedCollator:
         self.pad_token_id = check_int(pad_token_id, "pad_token_id")
 
     def __call__(self, features: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
-        from packfn.data import _token_tensor
+        from packfn.data import token_tensor
         from packfn.formats import document_ids_from_seq_lens
 
         rows = len(features)
@@ -401,17 +401,17 @@ class PackedCollator:
         for row, feature in enumerate(features):
             if not isinstance(feature, Mapping) or feature.get("input_ids") is None:
                 raise ValueError(f"feature {row} has no 'input_ids'")
-            tokens = _token_tensor(feature["input_ids"], row, "input_ids", kind="feature")
+            tokens = token_tensor(feature["input_ids"], row, "input_ids", kind="feature")
             count = tokens.numel()
             if count > self.sequence:
                 raise ValueError(f"feature {row} holds {count} tokens, more than sequence={self.sequence}")
             targets = tokens
             if feature.get("labels") is not None:
-                targets = _token_tensor(feature["labels"], row, "labels", kind="feature")
+                targets = token_tensor(feature["labels"], row, "labels", kind="feature")
                 if targets.numel() != count:
                     raise ValueError(f"feature {row}: its {targets.numel()} labels do not match its {count} tokens")
             lengths = feature.get("seq_lengths", feature.get("seq_lens", [count]))
-            lengths = _token_tensor(lengths, row, "seq_lengths", kind="feature")
+            lengths = token_tensor(lengths, row, "seq_lengths", kind="feature")
             if bool((lengths < 0).any()):
                 raise ValueError(f"feature {row}: its lengths {lengths.tolist()} hold a negative length")
             if int(lengths.sum()) != count:

@@ -1,0 +1,8 @@
+"""packfn inside other frameworks, each standing on the core and nothing else.
+
+- :mod:`packfn.integrations.hf`: transformers (a model's packed inputs in one call, the collator, the Trainer path);
+- :mod:`packfn.integrations.megatron`: Megatron-core (static THD ``PackedSeqParams``, its ltor masks);
+- :mod:`packfn.integrations.torchtune`: torchtune (its packed collate, with document ids).
+
+Each imports its framework only where it needs it, so importing packfn never imports them.
+"""
