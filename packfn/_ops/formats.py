@@ -47,12 +47,12 @@ import torch.nn.functional as F
 from packfn._ops._cpu import numpy, numpy_view
 from packfn._ops._registry import Rule, named_value, packfn_op
 from packfn._ops.metadata import (
-    _compact,
-    _parse_mask,
-    _parse_mask_eager,
-    _varlen_from,
     binary_search_slots,
     broken_fake,
+    compact,
+    parse_mask,
+    parse_mask_eager,
+    varlen_from,
 )
 
 __all__ = [
@@ -782,11 +782,11 @@ def _thd_fake(document_ids: torch.Tensor, max_documents: int):
 def _thd_from(parsed, document_ids: torch.Tensor, max_documents: int):
     batch, sequence = document_ids.shape
     total = batch * sequence
-    cu_seqlens = _varlen_from(parsed, batch, max_documents)[1]
+    cu_seqlens = varlen_from(parsed, batch, max_documents)[1]
     starts = parsed.starts.reshape(-1)
     slots = torch.arange(batch * max_documents + 1, device=starts.device)
     positions = torch.arange(total, device=starts.device)
-    firsts = _compact(starts, positions, slots.numel(), search=binary_search_slots(max_documents))
+    firsts = compact(starts, positions, slots.numel(), search=binary_search_slots(max_documents))
     padded = torch.where(slots < starts.sum(), firsts, total)
     padded = torch.where(slots == 0, 0, padded).to(torch.int32)
     valid = parsed.valid
@@ -796,9 +796,9 @@ def _thd_from(parsed, document_ids: torch.Tensor, max_documents: int):
 
 
 def _thd_eager(document_ids: torch.Tensor, max_documents: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _thd_from(_parse_mask_eager(document_ids, max_documents), document_ids, max_documents)
+    return _thd_from(parse_mask_eager(document_ids, max_documents), document_ids, max_documents)
 
 
 @packfn_op("thd_metadata", fake=_thd_fake, outputs=ThdOutputs, eager=_thd_eager)
 def thd_metadata_op(document_ids: torch.Tensor, max_documents: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _thd_from(_parse_mask(document_ids, max_documents), document_ids, max_documents)
+    return _thd_from(parse_mask(document_ids, max_documents), document_ids, max_documents)

@@ -68,7 +68,7 @@ def mask_flags(document_ids: torch.Tensor, check: bool) -> torch.Tensor:
     """
     if not check:
         return document_ids.new_zeros(3, dtype=torch.bool)
-    return _parse_mask(document_ids, document_ids.shape[1]).broken
+    return parse_mask(document_ids, document_ids.shape[1]).broken
 
 
 def broken_fake(document_ids: torch.Tensor) -> torch.Tensor:
@@ -76,8 +76,8 @@ def broken_fake(document_ids: torch.Tensor) -> torch.Tensor:
     return document_ids.new_empty(3, dtype=torch.bool)
 
 
-class _ParsedMask(NamedTuple):
-    """What every mask op starts from (see :func:`_parse_mask`)."""
+class ParsedMask(NamedTuple):
+    """What every mask op starts from (see :func:`parse_mask`)."""
 
     valid: torch.Tensor  # bool [batch, sequence]
     starts: torch.Tensor  # bool [batch, sequence]: the first token of each document
@@ -98,7 +98,7 @@ def _valid_first(valid: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tenso
     return scatter(torch.empty_like(values), 0, destination, values), valid_seen
 
 
-def _parse_mask(document_ids: torch.Tensor, max_documents: int) -> _ParsedMask:
+def parse_mask(document_ids: torch.Tensor, max_documents: int) -> ParsedMask:
     """Find the documents of a ``[batch, sequence]`` mask in a few fused passes.
 
     Valid tokens keep their order at the front of ``indices`` and padding
@@ -124,18 +124,18 @@ def _parse_mask(document_ids: torch.Tensor, max_documents: int) -> _ParsedMask:
     starts = valid & (ids != before)
     per_row = starts.view(batch, sequence).sum(dim=1)
     broken = torch.stack([(ids < 0).any(), (valid & (ids < before)).any(), (per_row > max_documents).any()])
-    return _ParsedMask(valid.view(batch, sequence), starts.view(batch, sequence), broken, indices, valid_seen)
+    return ParsedMask(valid.view(batch, sequence), starts.view(batch, sequence), broken, indices, valid_seen)
 
 
-def _parse_mask_eager(document_ids: torch.Tensor, max_documents: int) -> _ParsedMask:
-    """:func:`_parse_mask` in fewer, larger aten calls, for the eager kernels (NOTE [Eager kernels]).
+def parse_mask_eager(document_ids: torch.Tensor, max_documents: int) -> ParsedMask:
+    """:func:`parse_mask` in fewer, larger aten calls, for the eager kernels (NOTE [Eager kernels]).
 
     Where the mask rules hold (no negative id, ids never decrease along the
     valid tokens of a row), the running maximum of a row before a position is
     the id of the last valid token before it (0 if there is none), so one
     ``cummax`` replaces the permutation gathers; a valid id below the running
     maximum is exactly a decrease. On broken masks the flags may differ from
-    :func:`_parse_mask`'s past the first broken rule, which is the same.
+    :func:`parse_mask`'s past the first broken rule, which is the same.
     """
     ids = document_ids.view(torch.uint8) if document_ids.dtype == torch.bool else document_ids
     valid = ids != 0
@@ -146,7 +146,7 @@ def _parse_mask_eager(document_ids: torch.Tensor, max_documents: int) -> _Parsed
     decreasing = (valid & (ids != running)).any()
     broken = torch.stack([negative, decreasing, starts.sum(1).max() > max_documents])
     indices, valid_seen = _valid_first(valid.reshape(-1), torch.arange(valid.numel(), device=ids.device))
-    return _ParsedMask(valid, starts, broken, indices, valid_seen)
+    return ParsedMask(valid, starts, broken, indices, valid_seen)
 
 
 # Up to this many document slots per row, boundaries are found by binary
@@ -155,7 +155,7 @@ _SEARCH_MAX_DOCUMENTS = 256
 
 
 def binary_search_slots(max_documents: int) -> bool:
-    """Whether :func:`_compact` should binary-search for ``max_documents`` slots per row.
+    """Whether :func:`compact` should binary-search for ``max_documents`` slots per row.
 
     A function of the static argument alone, never of a symbolic size: a
     branch on ``sequence`` would guard on it, so a compile with dynamic
@@ -213,7 +213,7 @@ def search_running_sums(increments: torch.Tensor, queries: torch.Tensor, *, righ
     return torch.searchsorted(running, (before + queries).flatten(), right=right).view(batch, queries.shape[0])
 
 
-def _compact(flags: torch.Tensor, values: torch.Tensor, slots: int, *, search: bool) -> torch.Tensor:
+def compact(flags: torch.Tensor, values: torch.Tensor, slots: int, *, search: bool) -> torch.Tensor:
     """Along the last axis, move ``values`` at the flagged positions, in order, to the first ``slots`` entries.
 
     Entries past the number of flags hold garbage; callers mask them. With
@@ -265,13 +265,13 @@ class VarlenOutputs(NamedTuple):
     broken: torch.Tensor
 
 
-def _varlen_from(parsed: _ParsedMask, batch: int, max_documents: int):
+def varlen_from(parsed: ParsedMask, batch: int, max_documents: int):
     valid, starts = parsed.valid.reshape(-1), parsed.starts.reshape(-1)
     num_tokens = parsed.valid_seen[-1]
     num_documents = starts.sum()
     slots = torch.arange(batch * max_documents + 1, device=valid.device)
     # A start is valid, so the valid tokens before it are its running count minus one.
-    firsts = _compact(starts, parsed.valid_seen - 1, slots.numel(), search=binary_search_slots(max_documents))
+    firsts = compact(starts, parsed.valid_seen - 1, slots.numel(), search=binary_search_slots(max_documents))
     cu_seqlens = torch.where(slots < num_documents, firsts, num_tokens).to(torch.int32)
     seqlens = cu_seqlens[1:] - cu_seqlens[:-1]
     # The count as a reduction of its own, not the scan's last entry: Inductor
@@ -283,15 +283,15 @@ def _varlen_from(parsed: _ParsedMask, batch: int, max_documents: int):
 def _varlen_metadata_eager(
     document_ids: torch.Tensor, max_documents: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    parsed = _parse_mask_eager(document_ids, max_documents)
-    return _varlen_from(parsed, document_ids.shape[0], max_documents)
+    parsed = parse_mask_eager(document_ids, max_documents)
+    return varlen_from(parsed, document_ids.shape[0], max_documents)
 
 
 @packfn_op("varlen_metadata", fake=_varlen_metadata_fake, outputs=VarlenOutputs, eager=_varlen_metadata_eager)
 def varlen_metadata_op(
     document_ids: torch.Tensor, max_documents: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _varlen_from(_parse_mask(document_ids, max_documents), document_ids.shape[0], max_documents)
+    return varlen_from(parse_mask(document_ids, max_documents), document_ids.shape[0], max_documents)
 
 
 def _batch_metadata_fake(document_ids: torch.Tensor, max_documents: int):
@@ -317,7 +317,7 @@ class BatchOutputs(NamedTuple):
     broken: torch.Tensor  # bool [3]: mask_rules
 
 
-def _batch_from(parsed: _ParsedMask, max_documents: int):
+def _batch_from(parsed: ParsedMask, max_documents: int):
     valid, starts = parsed.valid, parsed.starts
     batch, sequence = valid.shape
     columns = torch.arange(sequence, device=valid.device)
@@ -327,7 +327,7 @@ def _batch_from(parsed: _ParsedMask, max_documents: int):
     valid_seen = flat_seen - (flat_seen[:, :1] - valid[:, :1].long())
     num_documents = starts.sum(1, keepdim=True)
     slots = torch.arange(max_documents + 1, device=valid.device)
-    firsts = _compact(starts, valid_seen - 1, slots.numel(), search=binary_search_slots(max_documents))
+    firsts = compact(starts, valid_seen - 1, slots.numel(), search=binary_search_slots(max_documents))
     last = torch.where(slots == num_documents, valid_seen[:, -1:], -1)
     boundaries = torch.where(slots < num_documents, firsts, last)
     cu_seqlens = boundaries.to(torch.int32)
@@ -340,14 +340,14 @@ def _batch_from(parsed: _ParsedMask, max_documents: int):
 def _batch_metadata_eager(
     document_ids: torch.Tensor, max_documents: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _batch_from(_parse_mask_eager(document_ids, max_documents), max_documents)
+    return _batch_from(parse_mask_eager(document_ids, max_documents), max_documents)
 
 
 @packfn_op("batch_metadata", fake=_batch_metadata_fake, outputs=BatchOutputs, eager=_batch_metadata_eager)
 def batch_metadata_op(
     document_ids: torch.Tensor, max_documents: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _batch_from(_parse_mask(document_ids, max_documents), max_documents)
+    return _batch_from(parse_mask(document_ids, max_documents), max_documents)
 
 
 # Upstream's one message for every broken rule of batch-major metadata.
@@ -402,7 +402,7 @@ def flat_boundaries(cu_seqlens: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     total = tokens_through[-1]
     flat = torch.where(inside, boundary, total)
     flat_cu_seqlens = torch.cat([flat.new_zeros(1), flat]).to(cu_seqlens.dtype)
-    # Counts as reductions of their own, not views of the scans (see _varlen_from).
+    # Counts as reductions of their own, not views of the scans (see varlen_from).
     return flat_cu_seqlens, row_tokens.sum(), row_documents.sum()
 
 
