@@ -35,7 +35,7 @@ LENGTH_DTYPES = (torch.int32, torch.int64)
 
 @dataclass(frozen=True)
 class PackedSequenceLayout:
-    """Compression-aligned packed rows and the coordinates to go back (same fields as upstream).
+    """Compression-aligned packed rows and the coordinates to go back.
 
     Attributes:
         source_indices: int64 ``[batch, length]``: the input column each
@@ -169,8 +169,7 @@ def aligned_layout(
 
     Args:
         seq_lens: int32 or int64 ``[batch, documents]`` (or ``[documents]``
-            for batch one) real document lengths; 0 and -1000 mark absent
-            slots.
+            for batch one) real document lengths; 0 marks an absent slot.
         seq_lens_padded: Physical spans, same shape, each at least its
             length (default: the lengths, documents back to back).
         sequence_length: Input row length ``sequence``.

@@ -7,7 +7,10 @@ from typing import NamedTuple
 import torch
 from hypothesis import strategies as st
 
-ABSENT_MARKERS = (0, -1000)
+CORE_ABSENT = (0,)
+"""How the core marks an absent document slot."""
+UPSTREAM_ABSENT = (0, -1000)
+"""How NeMo AutoModel marks one (its ``packed_layout`` and the drop-in take both)."""
 ALIGNMENTS = st.one_of(st.sampled_from([1, 2, 4, 8, 16, 64, 128, 256]), st.integers(1, 256))
 
 
@@ -35,12 +38,12 @@ def layout_kwargs(spans, input_shape, alignment, minimum_length=0) -> dict:
 
 
 def _row_span(lengths: list[int], spans: list[int]) -> int:
-    return sum(span for length, span in zip(lengths, spans, strict=True) if length not in ABSENT_MARKERS)
+    return sum(span for length, span in zip(lengths, spans, strict=True) if length not in UPSTREAM_ABSENT)
 
 
 @st.composite
-def length_tables(draw, *, max_batch: int = 6, max_documents: int = 12, max_length: int = 40):
-    """``(lengths, spans, padded)``: rows of real lengths with absent markers mixed in, and physical spans.
+def length_tables(draw, *, max_batch: int = 6, max_documents: int = 12, max_length: int = 40, absent=CORE_ABSENT):
+    """``(lengths, spans, padded)``: rows of real lengths with ``absent`` markers mixed in, and physical spans.
 
     ``padded`` says whether the spans hold inner padding (``seq_lens_padded``
     given) or equal the lengths (``seq_lens_padded`` omitted).
@@ -48,13 +51,11 @@ def length_tables(draw, *, max_batch: int = 6, max_documents: int = 12, max_leng
     batch = draw(st.integers(1, max_batch))
     documents = draw(st.integers(0, max_documents))
     padded = draw(st.booleans())
-    entry = st.one_of(st.sampled_from(ABSENT_MARKERS), st.integers(1, 5), st.integers(1, max_length))
+    entry = st.one_of(st.sampled_from(absent), st.integers(1, 5), st.integers(1, max_length))
     lengths = [[draw(entry) for _ in range(documents)] for _ in range(batch)]
     spans = [
         [
-            draw(st.sampled_from(ABSENT_MARKERS))
-            if length in ABSENT_MARKERS
-            else length + (draw(st.integers(0, 6)) if padded else 0)
+            draw(st.sampled_from(absent)) if length in absent else length + (draw(st.integers(0, 6)) if padded else 0)
             for length in row
         ]
         for row in lengths
@@ -68,15 +69,15 @@ def _tensor(rows: list[list[int]], dtype: torch.dtype, one_dim: bool) -> torch.T
 
 
 @st.composite
-def layout_inputs(draw, *, broken: bool = False) -> LayoutInput:
+def layout_inputs(draw, *, broken: bool = False, absent=CORE_ABSENT) -> LayoutInput:
     """Valid ``packed_layout`` inputs, or (``broken=True``) inputs with one or more broken data rules.
 
-    Covers batch 1..6, 0..12 document slots, 0 and -1000 markers, inner
+    Covers batch 1..6, 0..12 document slots, the ``absent`` markers, inner
     padding or none, ``[documents]`` tables for batch one, int32 and int64
     (independently for lengths and spans), alignment 1..256, minimum_length
     below and above the need, and input rows with slack past the last span.
     """
-    lengths, spans, padded = draw(length_tables())
+    lengths, spans, padded = draw(length_tables(absent=absent))
     if broken:
         cells = [(row, column) for row in range(len(lengths)) for column in range(len(lengths[row]))]
         kinds = ["past_row"] + (["negative", "short_span", "absent_with_span"] if cells else [])
@@ -94,7 +95,7 @@ def layout_inputs(draw, *, broken: bool = False) -> LayoutInput:
                 spans[row][column] = lengths[row][column] - draw(st.integers(1, 2))
             else:
                 padded = True
-                lengths[row][column] = draw(st.sampled_from(ABSENT_MARKERS))
+                lengths[row][column] = draw(st.sampled_from(absent))
                 spans[row][column] = draw(st.integers(1, 5))
         too_short = "past_row" in kinds and draw(st.booleans())
     else:
@@ -112,9 +113,9 @@ def layout_inputs(draw, *, broken: bool = False) -> LayoutInput:
     return LayoutInput(seq_lens, seq_lens_padded, (batch, sequence), alignment, minimum_length)
 
 
-def round_trip_inputs(sequence: int, trailing: tuple[int, ...]):
+def round_trip_inputs(sequence: int, trailing: tuple[int, ...], absent: int = 0):
     """Length tables ``[2, 3]`` whose first row fills ``sequence``, and values ``[2, sequence, *trailing]``."""
-    lens = torch.tensor([[3, 5, sequence - 8], [1, -1000, 2]])
+    lens = torch.tensor([[3, 5, sequence - 8], [1, absent, 2]])
     values = torch.randn(2, sequence, *trailing, generator=torch.Generator().manual_seed(sequence))
     return lens, values
 

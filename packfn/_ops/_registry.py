@@ -137,7 +137,8 @@ def named_value(name: str, value: object) -> str:
 #   Inductor's generated code.
 # - ``checked_ints`` (:mod:`packfn.nemo_automodel._trim`), the drop-ins: in eager one host sync reads the
 #   flags together with the drop-in's data-dependent sizes and raises
-#   ``ValueError`` with the first broken rule's upstream message; under
+#   ``ValueError`` with the first broken rule's message in upstream's words
+#   (the drop-in layer keeps its own rules, aligned with the core's flags); under
 #   torch.compile / torch.export the same message goes into a sync-free
 #   assert and the sizes become unbacked SymInts.
 #
@@ -150,21 +151,13 @@ class Rule(NamedTuple):
     """One data rule of an op family, as its ops flag it.
 
     Attributes:
-        message: What the static path's assert says: the broken rule, named.
-        upstream: What the drop-ins raise instead (upstream's ``ValueError``
-            text), where upstream raises something else; ``None`` keeps
-            ``message``.
+        message: What a broken rule's assert (or error) says: the rule, named.
     """
 
     message: str
-    upstream: str | None = None
-
-    @property
-    def drop_in(self) -> str:
-        return self.message if self.upstream is None else self.upstream
 
 
-def assert_rules(broken: torch.Tensor, rules: tuple[Rule, ...], *, drop_in: bool = False) -> None:
+def assert_rules(broken: torch.Tensor, rules: tuple[Rule, ...]) -> None:
     """Sync-free check of an op's rule flags: bool ``[len(rules)]``, True where a rule is broken."""
     for index, rule in enumerate(rules):
-        torch._assert_async(~broken[index], rule.drop_in if drop_in else rule.message)
+        torch._assert_async(~broken[index], rule.message)

@@ -4,8 +4,8 @@ Layout format (used by every docstring in :mod:`packfn.layout`). A row of
 the input holds documents back to back; ``seq_lens[b, k]`` is the real
 length ``n`` of the document in slot ``k + 1`` of row ``b`` and
 ``seq_lens_padded[b, k]`` its physical span ``s >= n`` (real tokens first,
-then ``s - n`` columns of padding that belong to it). ``0`` and ``-1000``
-mark an absent document: it keeps its slot id but has no tokens and no span.
+then ``s - n`` columns of padding that belong to it). ``0`` marks an
+absent document: it keeps its slot id but has no tokens and no span.
 The aligned row writes each document's ``n`` real tokens at the next start
 that is a multiple of ``alignment``. Example, ``alignment=4``, one row of
 ``sequence_length=9``::
@@ -36,7 +36,6 @@ from packfn._ops.metadata import search_running_sums
 from packfn._utils import round_up
 
 __all__ = [
-    "ABSENT",
     "AlignedLayoutOutputs",
     "DocumentTable",
     "aligned_layout_op",
@@ -46,35 +45,22 @@ __all__ = [
     "restore_op",
 ]
 
-ABSENT = -1000
-"""The length upstream uses (besides 0) for an absent document."""
-
-# Upstream's two messages: the first for an absent document with a span, the
-# second for every other broken document.
-_ABSENT_WITH_SPAN = "An absent packed document cannot have a physical span"
-_SPAN_EXCEEDED = "Packed document lengths exceed their physical spans or input row"
-
 
 def layout_rules(length: int) -> tuple[Rule, ...]:
     """Data rules of a layout, in the order of ``aligned_layout``'s ``broken`` flags.
 
     The first four are per document (the last axis of
     :meth:`DocumentTable.violations`); the op flags those of the first broken
-    document in row-major order, so the first flagged rule is the error
-    upstream raises (it walks rows, then documents). The last is the static
-    row length (the budget) ``length``.
+    document in row-major order (rows, then documents), so the first flagged
+    rule is that of the first broken document. The last is the static row
+    length (the budget) ``length``.
     """
     return (
-        Rule(
-            "an absent document (length 0 or -1000) must not have a physical span in seq_lens_padded", _ABSENT_WITH_SPAN
-        ),
-        Rule("seq_lens must not hold negative document lengths (other than the absent marker -1000)", _SPAN_EXCEEDED),
-        Rule(
-            "a document's physical span in seq_lens_padded must not be shorter than its length in seq_lens",
-            _SPAN_EXCEEDED,
-        ),
-        Rule("the documents' physical spans must not run past the input row (sequence_length)", _SPAN_EXCEEDED),
-        Rule(f"the aligned documents of a row do not fit {named_value('budget', length)}", _SPAN_EXCEEDED),
+        Rule("an absent document (length 0) must not have a physical span in seq_lens_padded"),
+        Rule("seq_lens must not hold negative document lengths"),
+        Rule("a document's physical span in seq_lens_padded must not be shorter than its length in seq_lens"),
+        Rule("the documents' physical spans must not run past the input row (sequence_length)"),
+        Rule(f"the aligned documents of a row do not fit {named_value('budget', length)}"),
     )
 
 
@@ -109,7 +95,7 @@ class DocumentTable(NamedTuple):
     ) -> DocumentTable:
         lengths = seq_lens.to(torch.int64)
         spans = seq_lens_padded.to(torch.int64)
-        present = (lengths != 0) & (lengths != ABSENT)
+        present = lengths != 0
         # Clamping keeps the bounds sorted even for broken data, so that the
         # binary searches stay in range while the asserts report the rule;
         # past the row, one column more than the row tells as much as any
@@ -126,11 +112,10 @@ class DocumentTable(NamedTuple):
         """Bool ``[batch, documents, 4]``: which of the first four :func:`layout_rules` each document breaks.
 
         A document breaks the span rule when its span ends past the row,
-        counting the spans of the present documents before it (as upstream,
-        which walks each row and stops at the first broken document).
+        counting the spans of the present documents before it.
         """
         present = self.present
-        absent_with_span = ~present & (self.spans != 0) & (self.spans != ABSENT)
+        absent_with_span = ~present & (self.spans != 0)
         negative = present & (self.lengths < 0)
         short_span = present & (self.spans < self.lengths)
         past_row = present & (self.input_bounds[:, 1:] > self.sequence_length)
@@ -193,7 +178,7 @@ class AlignedLayoutOutputs(NamedTuple):
     position_ids: torch.Tensor  # [batch, length]
     sequence_ids: torch.Tensor  # [batch, length]
     input_positions: torch.Tensor  # [batch, sequence_length]
-    longest: torch.Tensor  # 0-d: the longest aligned row, what upstream's row length is made of
+    longest: torch.Tensor  # 0-d: the longest aligned row, the shortest row length that fits every row
     broken: torch.Tensor  # bool [5]: layout_rules
 
 

@@ -350,14 +350,11 @@ def batch_metadata_op(
     return _batch_from(parse_mask(document_ids, max_documents), max_documents)
 
 
-# Upstream's one message for every broken rule of batch-major metadata.
-_BATCH_METADATA_ERROR = "Each packed sequence metadata row must start at zero, be monotonic, and cover its valid tokens"
-
 FLATTEN_RULES = (
-    Rule("cu_seqlens rows must start at zero", _BATCH_METADATA_ERROR),
-    Rule("cu_seqlens rows must be monotonic", _BATCH_METADATA_ERROR),
-    Rule("cu_seqlens rows must not hold a boundary after a -1 entry", _BATCH_METADATA_ERROR),
-    Rule("the last boundary of each cu_seqlens row must equal its number of valid tokens", _BATCH_METADATA_ERROR),
+    Rule("cu_seqlens rows must start at zero"),
+    Rule("cu_seqlens rows must be monotonic"),
+    Rule("cu_seqlens rows must not hold a boundary after a -1 entry"),
+    Rule("the last boundary of each cu_seqlens row must equal its number of valid tokens"),
 )
 """Data rules of batch-major metadata, in the order of the flatten op's flags."""
 

@@ -14,19 +14,18 @@ row, which it gathers from every rank (:func:`all_gather_sequence`). Example,
 Static API: :func:`shard_packed_batch` packs and shards tokens, labels, loss
 mask, position ids, sequence ids and padding mask at the fixed ``budget``, so
 every rank knows every length without a collective: no host read of a length
-and no all-reduce of it (upstream's ``shard_cp_batch`` reads the longest row
-back and all-reduces it when asked). :func:`cp_block_causal_mask`,
+and no all-reduce of it. :func:`cp_block_causal_mask`,
 :func:`cp_document_block_mask` and :func:`cp_varlen_metadata` build the
 local-query, global-key attention inputs of a rank from its
 :class:`CPShard`.
 
-The NeMo AutoModel drop-ins (``shard_cp_batch``, upstream's
-``all_gather_sequence``) are in :mod:`packfn.nemo_automodel`.
+NeMo AutoModel's ``shard_cp_batch`` and ``gather_sequence``, reproduced
+exactly, are in :mod:`packfn.nemo_automodel`.
 
 NOTE [Why the budget is a multiple of world * alignment]
 Each rank keeps ``budget // world`` columns. A multiple of ``alignment`` per
 rank keeps every compression group (an aligned block of ``alignment``
-columns) on one rank, as upstream's ``pad_multiple`` does; equal shard
+columns) on one rank; equal shard
 lengths are what the all-gather of keys needs. So a budget that does not
 divide is a ``ValueError`` on every rank (a static check, no collective).
 """
@@ -64,8 +63,7 @@ class CPShard(NamedTuple):
         labels: ``[batch, local]``, -100 at padding (input dtype).
         loss_mask: ``[batch, local]``, 0 at padding, or None when not given.
         position_ids: int64 ``[batch, local]``: position inside the document, 0 at padding.
-        sequence_ids: int64 ``[batch, local]``: 1-based document slot, 0 at padding
-            (upstream's ``packed_seq_ids``).
+        sequence_ids: int64 ``[batch, local]``: 1-based document slot, 0 at padding.
         padding_mask: bool ``[batch, local]``: True at padding.
         key_sequence_ids: int64 ``[batch, budget]``: the sequence ids of the whole
             row, the keys every rank attends (``layout.sequence_ids``).
@@ -140,7 +138,7 @@ def shard_packed_batch(
 
     Args:
         seq_lens: int32 or int64 ``[batch, documents]`` real document lengths
-            (0 and -1000 mark absent slots), as :func:`packfn.aligned_layout`.
+            (0 marks an absent slot), as :func:`packfn.aligned_layout`.
         seq_lens_padded: Physical spans of the same shape, or None.
         input_ids: ``[batch, sequence]`` tokens.
         labels: ``[batch, sequence]`` labels, already shifted within each document.

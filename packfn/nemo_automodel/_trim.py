@@ -93,19 +93,22 @@ def checked_ints(
 
     See NOTE [One way to report a broken rule].
 
+    ``rules`` are the drop-in's: one per flag of ``broken``, in the core
+    op's order, each with the message upstream raises for it.
+
     Eager: one host sync reads the values and the flags together, then a
-    ``ValueError`` carries the first broken rule's upstream message. Under
+    ``ValueError`` carries the first broken rule's message. Under
     torch.compile / torch.export: sync-free asserts with the same messages,
     and unbacked SymInts. Under ``torch.jit.trace``: a ``RuntimeError``,
     since the trace would keep the values read as constants.
     """
     if torch.compiler.is_compiling():
-        assert_rules(broken, rules, drop_in=True)
+        assert_rules(broken, rules)
         return python_ints(values, bounds)
     refuse_jit_trace()
     # One read of the flags and the values together.
     read = torch.cat([broken.to(torch.int64), *(value.reshape(1).to(torch.int64) for value in values)]).tolist()
     for flag, rule in zip(read[: len(rules)], rules, strict=True):
         if flag:
-            raise ValueError(rule.drop_in)
+            raise ValueError(rule.message)
     return _clamped(read[len(rules) :], bounds)

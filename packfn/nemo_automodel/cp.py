@@ -56,7 +56,7 @@ def gather_sequence(
     if group is None or dist.get_world_size(group) == 1:
         return tensor
     if torch.compiler.is_compiling():
-        return _cp.gather_sequence(tensor, group, check_shapes=check_shapes)
+        return _cp.all_gather_sequence(tensor, group, check_shapes=check_shapes)
     if check_shapes:
         rows = _cp.shape_descriptors(tensor, group).tolist()
         shapes = ", ".join(f"rank {rank}: {_described(row)}" for rank, row in enumerate(rows))

@@ -16,6 +16,7 @@ import torch
 from packfn._checks import check_int, check_positive_int, check_tensor
 from packfn._compat import leading_columns
 from packfn._ops import layout as _ops
+from packfn._ops._registry import Rule
 from packfn._utils import round_up
 from packfn.layout import LENGTH_DTYPES, PackedSequenceLayout, as_rows, worst_case_budget
 from packfn.nemo_automodel._exact import exact_on_cpu
@@ -82,6 +83,7 @@ def packed_layout(
     # upstream's ValueError; traced: an unbacked size and sync-free asserts
     # with upstream's messages), and one trim.
     bound = worst_case_budget(sequence, lengths.shape[1], alignment, minimum_length)
+    lengths, spans = _core_absent(lengths, spans)
     exact = exact_on_cpu(lengths, spans)
     if exact:
         # NOTE [Exact sizes on the CPU]: the row length and the op's rule flags
@@ -93,7 +95,7 @@ def packed_layout(
         layout = _ops.aligned_layout_op(lengths, spans, sequence, alignment, bound)
         longest, broken = layout.longest, layout.broken
     need = round_up(longest.clamp_min(floor), alignment)
-    (row_length,) = checked_ints([need], [bound], broken, _ops.layout_rules(bound))
+    (row_length,) = checked_ints([need], [bound], broken, _LAYOUT_RULES)
     if exact:
         source_indices, position_ids, sequence_ids, input_positions = _ops.layout_tables(
             table, row_length, search_input=False
@@ -106,6 +108,27 @@ def packed_layout(
         leading_columns(layout.position_ids, row_length),
         leading_columns(layout.sequence_ids, row_length),
     )
+
+
+ABSENT = -1000
+"""The length upstream uses (besides 0) for an absent document; the core knows only 0."""
+
+# Upstream's two messages, one per flag of the core's layout_rules: the first
+# for an absent document with a span, the second for every other broken
+# document and for the row length (upstream walks rows, then documents, and
+# raises at the first broken one: the core flags the first broken document's rules).
+_ABSENT_WITH_SPAN = "An absent packed document cannot have a physical span"
+_SPAN_EXCEEDED = "Packed document lengths exceed their physical spans or input row"
+_LAYOUT_RULES = (Rule(_ABSENT_WITH_SPAN), *(Rule(_SPAN_EXCEEDED) for _ in range(4)))
+
+
+def _core_absent(lengths: torch.Tensor, spans: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Upstream's tables in the core's terms: an absent document's ``-1000`` length, and its ``-1000`` span, are 0."""
+    absent = (lengths == ABSENT) | (lengths == 0)
+    core_lengths = lengths.masked_fill(lengths == ABSENT, 0)
+    if spans is lengths:
+        return core_lengths, core_lengths
+    return core_lengths, spans.masked_fill(absent & (spans == ABSENT), 0)
 
 
 def _check_input_shape(input_shape: Sequence[int]) -> tuple[int, int]:

@@ -320,7 +320,10 @@ def build_packed_sequence_metadata(attention_mask: torch.Tensor) -> PackedSequen
 
 
 _FLAT_RULES = (Rule("Flat packed sequence metadata must start at zero and cover every token index"),)
-_NO_DOCUMENT = Rule("batch-major metadata must hold at least one document", _ops.FLATTEN_RULES[0].upstream)
+# Upstream's one message for every broken rule of batch-major metadata (the core's FLATTEN_RULES, and no document).
+_BATCH_METADATA_ERROR = "Each packed sequence metadata row must start at zero, be monotonic, and cover its valid tokens"
+_FLATTEN_RULES = tuple(Rule(_BATCH_METADATA_ERROR) for _ in _ops.FLATTEN_RULES)
+_NO_DOCUMENT = Rule(_BATCH_METADATA_ERROR)
 
 
 def flatten_packed_sequence_metadata(
@@ -365,8 +368,8 @@ def flatten_packed_sequence_metadata(
         return packed_token_indices.to(torch.long), cu_seqlens
     check_metadata_shapes(packed_token_indices, cu_seqlens, batch_size, sequence_length)
     if packed_token_indices.numel() == 0:
-        raise ValueError(_NO_DOCUMENT.drop_in)
-    rules = (*_ops.FLATTEN_RULES, _NO_DOCUMENT)
+        raise ValueError(_NO_DOCUMENT.message)
+    rules = (*_FLATTEN_RULES, _NO_DOCUMENT)
     if torch.compiler.is_compiling():
         flat = _ops.flatten_metadata_op(packed_token_indices, cu_seqlens)
         flags = torch.cat([flat.broken, (flat.num_documents == 0).reshape(1)])
@@ -417,7 +420,7 @@ def _exact_flatten(
     # Raised here, once the views are gone: a traceback keeps its frames'
     # locals, and a view outlives a resize of the input it shows.
     if isinstance(outcome, Rule):
-        raise ValueError(outcome.drop_in)
+        raise ValueError(outcome.message)
     return outcome
 
 

@@ -90,7 +90,7 @@ def _flatten_samples():
 
 
 def _layout_tables():
-    lengths, spans = torch.tensor([[3, 0, 5], [2, 2, -1000]]), torch.tensor([[4, 0, 5], [2, 3, -1000]])
+    lengths, spans = torch.tensor([[3, 0, 5], [2, 2, 0]]), torch.tensor([[4, 0, 5], [2, 3, 0]])
     yield "int64", (lengths, spans, 10, 4, 16)
     yield "int32-lengths", (lengths.int(), lengths, 9, 1, 12)
     yield "int32-both", (lengths.int(), spans.int(), 12, 8, 64)

@@ -32,7 +32,7 @@ from tests.strategies_layout import (
 )
 
 HYPOTHESIS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-LENGTHS = torch.tensor([[3, 0, 5], [2, 2, -1000]])
+LENGTHS = torch.tensor([[3, 0, 5], [2, 2, 0]])
 
 
 def test_documented_example():
@@ -95,7 +95,7 @@ def test_safe_budget_fits_every_valid_table(tables, alignment):
     lengths, spans, _ = tables
     seq_lens = torch.tensor(lengths).reshape(len(lengths), -1)
     sequence = max(
-        sum(span for span, length in zip(span_row, row, strict=True) if length not in (0, -1000))
+        sum(span for span, length in zip(span_row, row, strict=True) if length != 0)
         for span_row, row in zip(spans, lengths, strict=True)
     )
     need = int(layout_ops.DocumentTable.build(seq_lens, seq_lens, alignment, sequence).longest())
@@ -192,6 +192,14 @@ def test_aligned_layout_negative_sequence_length_raises_value_error():
         aligned_layout(torch.tensor([[1]]), sequence_length=-1, alignment=4, budget=4)
 
 
+def test_aligned_layout_marks_absent_slots_by_zero_only():
+    """The core has one absent marker, 0: NeMo AutoModel's -1000 is a negative length here (its drop-in maps it)."""
+    with pytest.raises(RuntimeError, match="seq_lens must not hold negative document lengths"):
+        aligned_layout(torch.tensor([[3, -1000, 2]]), sequence_length=9, alignment=4, budget=12)
+    with pytest.raises(RuntimeError, match=re.escape("an absent document (length 0) must not have a physical span")):
+        aligned_layout(torch.tensor([[3, 0]]), torch.tensor([[3, 2]]), sequence_length=9, alignment=4, budget=12)
+
+
 def test_safe_budget_rejects_bad_arguments():
     with pytest.raises(ValueError, match="must not be negative"):
         safe_budget(-1, 3, 4)
@@ -219,7 +227,7 @@ def test_huge_spans_of_one_row_change_no_other_row():
 # ---------------------------------------------------------------- pack and restore
 
 # The layout of LENGTHS in rows of 10 (document 1 with one padding column, document 5 of row 1 with one).
-SMALL = aligned_layout(LENGTHS, torch.tensor([[4, 0, 5], [2, 3, -1000]]), sequence_length=10, alignment=4, budget=12)
+SMALL = aligned_layout(LENGTHS, torch.tensor([[4, 0, 5], [2, 3, 0]]), sequence_length=10, alignment=4, budget=12)
 
 
 def test_pack_and_restore_gradients_pass_gradcheck():
@@ -262,7 +270,7 @@ def test_pack_and_restore_reject_bad_arguments():
 
 
 def _op_samples():
-    seq_lens, spans = torch.tensor([[3, 0, 5], [2, 2, -1000]]), torch.tensor([[4, 0, 5], [2, 3, -1000]])
+    seq_lens, spans = torch.tensor([[3, 0, 5], [2, 2, 0]]), torch.tensor([[4, 0, 5], [2, 3, 0]])
     yield torch.ops.packfn.aligned_layout.default, (seq_lens, spans, 10, 4, 16)
     yield torch.ops.packfn.aligned_layout.default, (seq_lens.int(), seq_lens, 9, 1, 12)
     yield torch.ops.packfn.aligned_layout.default, (torch.zeros(2, 0, dtype=torch.int64),) * 2 + (5, 8, 8)

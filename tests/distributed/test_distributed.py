@@ -122,7 +122,7 @@ def packed_inputs(seed: int):
     """``seq_lens [2, 3]`` (absent slots included), tokens and labels ``[2, 16]``: the same on every rank."""
     generator = torch.Generator().manual_seed(seed)
     seq_lens = torch.randint(0, 6, (2, DOCUMENTS), generator=generator)
-    seq_lens[0, 1] = -1000 if seed % 2 else seq_lens[0, 1]
+    seq_lens[0, 1] = 0 if seed % 2 else seq_lens[0, 1]  # an absent slot
     tokens = torch.randint(1, VOCAB, (2, SEQUENCE), generator=generator)
     labels = torch.randint(0, VOCAB, (2, SEQUENCE), generator=generator)
     labels[:, ::5] = -100

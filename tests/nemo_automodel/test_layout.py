@@ -22,6 +22,7 @@ from tests.assertions import assert_all_equal, assert_layouts_equal, assert_same
 from tests.compiling import Fn, export_dynamic, traced
 from tests.strategies_layout import (
     LAYOUT_FIELDS,
+    UPSTREAM_ABSENT,
     layout_fields,
     layout_inputs,
     layout_kwargs,
@@ -50,14 +51,14 @@ def exact_cpu_path(enabled: bool):
 
 
 @HYPOTHESIS
-@given(inputs=layout_inputs())
+@given(inputs=layout_inputs(absent=UPSTREAM_ABSENT))
 def test_packed_layout_matches_upstream(inputs):
     expected = upstream.packed_layout(inputs.seq_lens, **inputs.kwargs())
     assert_layouts_equal(packed_layout(inputs.seq_lens, **inputs.kwargs()), expected)
 
 
 @HYPOTHESIS
-@given(inputs=layout_inputs(broken=True))
+@given(inputs=layout_inputs(broken=True, absent=UPSTREAM_ABSENT))
 def test_packed_layout_data_errors_match_upstream(inputs):
     expected = upstream_outcome(inputs)
     if isinstance(expected, str):
@@ -75,7 +76,7 @@ def _outcome(inputs):
 
 
 @HYPOTHESIS
-@given(inputs=layout_inputs(broken=True))
+@given(inputs=layout_inputs(broken=True, absent=UPSTREAM_ABSENT))
 def test_exact_cpu_path_equals_the_static_path(inputs):
     """NOTE [Exact sizes on the CPU] in packfn/nemo_automodel/metadata.py: the same layouts and the same errors."""
     exact = _outcome(inputs)
@@ -184,7 +185,7 @@ def test_layout_lengths_near_int64s_limit_raise_upstreams_error(exact, lengths):
 
 @HYPOTHESIS
 @given(
-    inputs=layout_inputs(),
+    inputs=layout_inputs(absent=UPSTREAM_ABSENT),
     dtype=st.sampled_from(VALUE_DTYPES),
     trailing=st.sampled_from([(), (3,), (2, 3)]),
     fill=st.sampled_from([0, 1, -2.5, True]),
@@ -207,10 +208,13 @@ def test_pack_and_restore_match_upstream(inputs, dtype, trailing, fill):
 
 
 def test_packed_layout_is_the_aligned_layout_at_its_row_length():
-    """The layout tests/core/test_layout.py builds with aligned_layout (its SMALL) is packed_layout's."""
+    """The layout tests/core/test_layout.py builds with aligned_layout (its SMALL) is packed_layout's.
+
+    Upstream's -1000 (absent) is the core's 0, in lengths and in an absent slot's span.
+    """
     spans = torch.tensor([[4, 0, 5], [2, 3, -1000]])
     drop_in = packed_layout(LENGTHS, seq_lens_padded=spans, input_shape=(2, 10), alignment=4)
-    static = aligned_layout(LENGTHS, spans, sequence_length=10, alignment=4, budget=12)
+    static = aligned_layout(*core_tables(LENGTHS, spans), sequence_length=10, alignment=4, budget=12)
     assert_layouts_equal(drop_in, static)
 
 
@@ -246,9 +250,15 @@ def random_tables(seed: int, batch: int = 2, documents: int = 3, sequence: int =
     return lengths, spans
 
 
+def core_tables(seq_lens, seq_lens_padded):
+    """Upstream's tables as the core takes them: -1000 (absent) is 0."""
+    return seq_lens.masked_fill(seq_lens == -1000, 0), seq_lens_padded.masked_fill(seq_lens_padded == -1000, 0)
+
+
 def layout_step(seq_lens, seq_lens_padded, values):
     """The static layout and the drop-in layout, each packing and restoring ``values``."""
-    static = aligned_layout(seq_lens, seq_lens_padded, sequence_length=12, alignment=4, budget=safe_budget(12, 3, 4))
+    core = core_tables(seq_lens, seq_lens_padded)
+    static = aligned_layout(*core, sequence_length=12, alignment=4, budget=safe_budget(12, 3, 4))
     drop_in = packed_layout(seq_lens, seq_lens_padded=seq_lens_padded, input_shape=(2, 12), alignment=4)
     outputs = []
     for layout, fill in ((static, -1.0), (drop_in, 2)):
@@ -307,7 +317,7 @@ class AlignedMixer(torch.nn.Module):
         self.proj = torch.nn.Linear(hidden, hidden)
 
     def forward(self, values, seq_lens, seq_lens_padded):
-        static = aligned_layout(seq_lens, seq_lens_padded, sequence_length=12, alignment=4, budget=16)
+        static = aligned_layout(*core_tables(seq_lens, seq_lens_padded), sequence_length=12, alignment=4, budget=16)
         drop_in = packed_layout(seq_lens, seq_lens_padded=seq_lens_padded, input_shape=(2, 12), alignment=4)
         mixed = static.restore(self.proj(static.pack(values)))
         return mixed + drop_in.restore(self.proj(drop_in.pack(values, fill=1))), static.position_ids
@@ -338,9 +348,9 @@ class PackedRoundTrip(torch.nn.Module):
 
 def test_export_packed_layout_with_dynamic_sequence_runs_at_other_lengths():
     module = PackedRoundTrip()
-    exported = export_dynamic(module, round_trip_inputs(32, (3,)), (None, {1: Dim("S", min=16, max=4096)}))
+    exported = export_dynamic(module, round_trip_inputs(32, (3,), -1000), (None, {1: Dim("S", min=16, max=4096)}))
     for sequence in (20, 40, 3000):
-        inputs = round_trip_inputs(sequence, (3,))
+        inputs = round_trip_inputs(sequence, (3,), -1000)
         assert_same(tuple(exported(*inputs)), module(*inputs))
 
 
