@@ -5,7 +5,8 @@ Nothing here imports megatron. :func:`packed_seq_params` fills megatron's own
 (or when given the class), and otherwise packfn's :class:`MegatronPackedSeqParams`, a
 dataclass with the same fields. :func:`get_ltor_masks_and_position_ids` is
 megatron-core's ``megatron.core.datasets.gpt_dataset._get_ltor_masks_and_position_ids``
-(0.16 to 0.19; private there): same signature, outputs and dtypes, without
+(0.16 to 0.19; private there): same signature, outputs, dtypes and errors
+(it finds the EOD tokens by upstream's own ``data == eod_token``), without
 its loop over EOD tokens. (``megatron.training.utils`` has a batched function
 of the same name with a ``pad_token``; its reset path ANDs the EOD and pad
 index lists, so it only holds for ``pad_token == eod_token``: use
@@ -105,7 +106,7 @@ def packed_seq_params(
 
 def get_ltor_masks_and_position_ids(
     data: torch.Tensor,
-    eod_token: int,
+    eod_token: int | torch.Tensor,
     reset_position_ids: bool,
     reset_attention_mask: bool,
     eod_mask_loss: bool,
@@ -113,11 +114,18 @@ def get_ltor_masks_and_position_ids(
 ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
     """Build masks and position ids for a left-to-right model: megatron-core's, without its loop over EODs.
 
-    An EOD token is the last token of its document.
+    An EOD token is the last token of its document. The EOD tokens are
+    found as upstream finds them, by ``data == eod_token``: with torch's
+    rules for that comparison, so an ``eod_token`` that ``data``'s dtype
+    cannot hold wraps as it does upstream (int8 data and ``eod_token=128``
+    match the tokens ``-128``), and a tensor ``eod_token`` (0-d, or any
+    shape that broadcasts to ``data``'s) is compared as it is. (The core
+    :func:`packfn.document_ids_from_eos` matches no token in that case
+    instead.)
 
     Args:
         data: ``[sequence]`` token ids of one sample.
-        eod_token: The EOD id.
+        eod_token: The EOD id (an int, or a tensor as upstream compares it).
         reset_position_ids: Position ids restart after each EOD.
         reset_attention_mask: Tokens after an EOD do not attend up to it.
         eod_mask_loss: The loss mask is 0 at EOD tokens.
@@ -129,19 +137,30 @@ def get_ltor_masks_and_position_ids(
         ``[sequence]``; int64 ``[sequence]``. All on ``data.device``.
 
     Raises:
-        IndexError: ``data`` is not 1-d while a switch needs its EOD
-            positions (upstream's error, from the same indexing).
+        TypeError: ``data`` is not a tensor.
+        IndexError: ``data`` is not 1-d (or ``eod_token`` broadcasts it to
+            more dimensions) while a switch needs its EOD positions
+            (upstream's error, from the same indexing).
+        OverflowError, RuntimeError, TypeError: ``data == eod_token`` fails
+            (an ``eod_token`` past int64, a tensor that does not broadcast),
+            while a switch needs it: upstream's error, from the same
+            comparison.
     """
     check_tensor(data, "data")
-    if data.ndim != 1:
-        if eod_mask_loss or reset_position_ids or reset_attention_mask:
-            torch.ones(data.numel(), device=data.device)[data == eod_token]  # raises upstream's IndexError
-        data = data.reshape(-1)
-    # Positions restarting at every EOD give each token's document start (column minus position).
-    _, restarting, loss_mask, _ = _format_ops.document_ids_from_eos_op(
-        data.unsqueeze(0), None, [eod_token], False, None, None, True, True, eod_mask_loss
-    )
-    columns = torch.arange(data.numel(), device=data.device)
+    sequence = data.numel()
+    columns = torch.arange(sequence, device=data.device)
+    loss_mask, restarting = torch.ones(1, sequence, device=data.device), columns[None]
+    if eod_mask_loss or reset_position_ids or reset_attention_mask:  # else upstream never compares eod_token
+        eod = data == eod_token  # upstream's comparison, with its promotion and wrapping
+        if not isinstance(eod, torch.Tensor):  # an eod_token torch does not compare (None, a str): no EOD, as upstream
+            eod = torch.full((sequence,), bool(eod), device=data.device)
+        if eod.shape != (sequence,):
+            torch.ones(sequence, device=data.device)[eod]  # raises upstream's IndexError
+            eod = eod.reshape(-1)
+        # Positions restarting at every EOD give each token's document start (column minus position).
+        _, restarting, loss_mask, _ = _format_ops.document_ids_from_eos_op(
+            eod.to(torch.uint8).unsqueeze(0), None, [1], False, None, None, True, True, eod_mask_loss
+        )
     attention_mask = None
     if create_attention_mask:
         first = columns - restarting if reset_attention_mask else torch.zeros_like(restarting)

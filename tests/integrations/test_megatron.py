@@ -7,6 +7,8 @@ file there too); the function is the same in both.
 
 from __future__ import annotations
 
+import itertools
+
 import megatron.core.packed_seq_params as megatron_packed_seq_params
 import pytest
 import torch
@@ -28,6 +30,18 @@ def upstream_ltor():
 SWITCHES = st.tuples(st.booleans(), st.booleans(), st.booleans(), st.booleans())
 
 
+def assert_same_as_megatron_for_every_switch(data: torch.Tensor, eod: object) -> None:
+    """Equal outputs, or the same exception type and message, as upstream's for all 16 switch settings."""
+    for switches in itertools.product([False, True], repeat=4):
+        ours = outcome(megatron.get_ltor_masks_and_position_ids, data, eod, *switches)
+        theirs = outcome(upstream_ltor(), data, eod, *switches)
+        assert ours[0] == theirs[0], (switches, ours, theirs)
+        if ours[0] == "error":
+            assert ours[1:] == theirs[1:], switches
+        else:
+            assert_same(ours[1], theirs[1])
+
+
 @settings(max_examples=80)
 @given(
     data=st.lists(st.integers(0, 5), min_size=1, max_size=40).map(torch.tensor),
@@ -40,20 +54,42 @@ def test_ltor_masks_and_position_ids_equal_megatron(data, eod, switches):
     assert_same(megatron.get_ltor_masks_and_position_ids(data, eod, *switches), upstream_ltor()(data, eod, *switches))
 
 
+@pytest.mark.parametrize("data", [torch.tensor([[5, 0, 6, 7]]), torch.tensor(0), torch.zeros(0, dtype=torch.int64)])
+def test_ltor_errors_and_shapes_outside_one_dimension_are_megatron_s(data):
+    assert_same_as_megatron_for_every_switch(data, 0)
+
+
+NARROW = [(torch.int8, 128), (torch.int8, -129), (torch.uint8, -1), (torch.uint8, 256), (torch.int16, 2**15)]
+
+
+@pytest.mark.parametrize(("dtype", "eod"), NARROW)
+def test_ltor_an_eod_token_the_dtype_cannot_hold_wraps_as_megatron_s(dtype, eod):
+    info = torch.iinfo(dtype)
+    wrapped = (eod - info.min) % (info.max - info.min + 1) + info.min
+    data = torch.tensor([1, wrapped, 3, 4], dtype=dtype)
+    assert_same_as_megatron_for_every_switch(data, eod)
+    _, loss_mask, position_ids = megatron.get_ltor_masks_and_position_ids(data, eod, True, True, True, False)
+    assert loss_mask.tolist() == [1, 0, 1, 1] and position_ids.tolist() == [0, 1, 0, 1]
+    if eod >= 0:  # The core conversion keeps its rule: an id the dtype cannot hold matches no token.
+        assert packfn.document_ids_from_eos(data[None], eod).document_ids.tolist() == [[1, 1, 1, 1]]
+
+
 @pytest.mark.parametrize(
-    "switches", [(True, False, False, False), (False, False, True, True), (False, False, False, True)]
+    "eod", [torch.tensor(3), torch.tensor(3, dtype=torch.int8), torch.tensor(3.0), torch.tensor([3])]
 )
-def test_ltor_errors_and_shapes_outside_one_dimension_are_megatron_s(switches):
-    data = torch.tensor([[5, 0, 6, 7]])
-    ours, theirs = (
-        outcome(megatron.get_ltor_masks_and_position_ids, data, 0, *switches),
-        outcome(upstream_ltor(), data, 0, *switches),
-    )
-    assert ours[0] == theirs[0]
-    if ours[0] == "error":
-        assert ours[1:] == theirs[1:]
-    else:
-        assert_same(ours[1], theirs[1])
+def test_ltor_a_tensor_eod_token_is_compared_as_megatron_compares_it(eod):
+    data = torch.tensor([1, 3, 2, 3, 5])
+    assert_same_as_megatron_for_every_switch(data, eod)
+    assert megatron.get_ltor_masks_and_position_ids(data, eod, True, True, True, False)[2].tolist() == [0, 1, 0, 1, 0]
+
+
+@pytest.mark.parametrize(
+    "eod",
+    [2**70, torch.tensor([3, 4]), torch.tensor([[3]]), None, "3"],
+    ids=["past int64", "two ids", "[[3]]", "None", "str"],
+)
+def test_ltor_eod_tokens_megatron_refuses_or_ignores_fare_the_same(eod):
+    assert_same_as_megatron_for_every_switch(torch.tensor([1, 3, 2, 3, 5]), eod)
 
 
 def test_ltor_is_megatron_s_private_name_too():
