@@ -75,11 +75,30 @@ class PackedSequenceLayout:
 
         Raises:
             TypeError: ``values`` is not a tensor or ``fill`` not a number.
-            ValueError: ``values`` does not start with ``[batch, sequence]``.
+            ValueError: ``values`` does not start with ``[batch, sequence]``,
+                or ``fill`` is a value their dtype cannot hold (a fraction,
+                infinity or NaN for an integral dtype, a value outside its
+                range, an int past ``2**53`` that the op's float64 scalar
+                would round; a finite value outside a floating dtype's range).
         """
         self._check_values(values, self.input_positions.shape[1], "sequence")
         if not isinstance(fill, (int, float)):
             raise TypeError(f"fill must be an int or float, got {type(fill).__name__}")
+        # The op takes fill as a float64 and casts it to the values' dtype, which would truncate a fraction and
+        # wrap a value outside the dtype: checked here, on the Python scalar, with no read of the data.
+        dtype = values.dtype
+        if dtype.is_floating_point or dtype.is_complex:
+            limit = torch.finfo(dtype).max
+            if -limit <= fill <= limit or fill != fill or abs(fill) == float("inf"):
+                return _ops.pack_op(values, self.source_indices, self.input_positions, float(fill))
+            raise ValueError(f"fill={fill!r} is outside [{-limit}, {limit}], the finite values of {dtype}")
+        if isinstance(fill, float) and not fill.is_integer():
+            raise ValueError(f"fill={fill!r} is not an integer, which values of {dtype} cannot hold")
+        low, high = (0, 1) if dtype == torch.bool else (torch.iinfo(dtype).min, torch.iinfo(dtype).max)
+        if not low <= fill <= high:
+            raise ValueError(f"fill={fill!r} is outside [{low}, {high}], which values of {dtype} cannot hold")
+        if float(fill) != fill:
+            raise ValueError(f"fill={fill!r} does not pass exactly as the op's float64 scalar: use one within 2**53")
         return _ops.pack_op(values, self.source_indices, self.input_positions, float(fill))
 
     def restore(self, values: torch.Tensor) -> torch.Tensor:

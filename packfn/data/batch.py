@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import itertools
+import math
+import numbers
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -25,7 +27,6 @@ CLOSED_BY = ("tokens", "budget", "documents", "end")
 - ``"end"``: it had room, but the list or the stream's window ran out of
   documents (the last rows).
 """
-CLOSED_TOKENS, CLOSED_BUDGET, CLOSED_DOCUMENTS, CLOSED_END = range(4)
 CLOSED_TOKENS, CLOSED_BUDGET, CLOSED_DOCUMENTS, CLOSED_END = range(4)  # the codes of CLOSED_BY
 
 
@@ -159,7 +160,8 @@ class PackedBatch:
                 :func:`pack_stream`); each a 1-D tensor or a list of its
                 ``n`` token ids (or any per-token values: labels, loss
                 weights, ...).
-            padding: Value written at padding columns.
+            padding: Value written at padding columns: an int or float
+                ``dtype`` holds as it is.
             dtype: dtype of the result; by default the documents' dtypes
                 promoted together (a tensor's own, int64 for a list of
                 ints, float32 for a list of floats).
@@ -171,11 +173,15 @@ class PackedBatch:
             is ``[1, 2, 3, 4]`` (document 0 opens row 0).
 
         Raises:
+            TypeError: ``padding`` is not a real number.
             ValueError: ``documents`` has no entry for a packed document, a
                 document's token count is not the length it was packed
                 with, its tokens are not 1-D, or it holds values ``dtype``
                 cannot hold (floating values an integral ``dtype`` would
-                truncate, integers outside its range).
+                truncate, integers outside its range); ``padding`` is a
+                value ``dtype`` cannot hold (a fraction, infinity or NaN for
+                an integral ``dtype``, an integer outside its range, a
+                finite value outside a floating ``dtype``'s range).
         """
         pieces = self.pieces
         slices = []
@@ -193,6 +199,7 @@ class PackedBatch:
             slices.append((document, values[offset : offset + length]))
         if dtype is None:
             dtype = reduce(torch.promote_types, [values.dtype for _, values in slices]) if slices else torch.int64
+        padding = _checked_padding(padding, dtype)
         for document, values in slices:
             _check_holds(values, dtype, document)
         out = torch.full((self.batch * self.sequence,), padding, dtype=dtype)
@@ -229,6 +236,14 @@ def document_ids(
     return flat[:-1].view(batch, sequence)
 
 
+def _integer_range(dtype: torch.dtype) -> tuple[int, int]:
+    """The smallest and largest value an integral (or bool) ``dtype`` holds."""
+    if dtype == torch.bool:
+        return 0, 1
+    info = torch.iinfo(dtype)
+    return info.min, info.max
+
+
 def _check_holds(values: torch.Tensor, dtype: torch.dtype, document: int) -> None:
     """Raise ``ValueError`` where ``values`` would not survive a cast to ``dtype`` (truncated, or wrapped)."""
     if dtype.is_floating_point or dtype.is_complex:
@@ -239,7 +254,27 @@ def _check_holds(values: torch.Tensor, dtype: torch.dtype, document: int) -> Non
             "pass a floating dtype"
         )
     if values.numel() and values.dtype != dtype:
-        info = torch.iinfo(dtype) if dtype != torch.bool else None
-        low, high = (0, 1) if info is None else (info.min, info.max)
+        low, high = _integer_range(dtype)
         if int(values.min()) < low or int(values.max()) > high:
             raise ValueError(f"document {document} holds values outside [{low}, {high}], which {dtype} cannot hold")
+
+
+def _checked_padding(padding: object, dtype: torch.dtype) -> int | float:
+    """``padding`` as ``dtype`` holds it; raise where ``torch.full`` would wrap, truncate or overflow it."""
+    if isinstance(padding, torch.Tensor) or not isinstance(padding, numbers.Real):
+        raise TypeError(f"padding must be an int or a float, got {type(padding).__name__}")
+    if dtype.is_floating_point or dtype.is_complex:
+        try:
+            value = float(padding)
+        except OverflowError:
+            value = None  # an int past float64's range
+        if value is None or (math.isfinite(value) and abs(value) > torch.finfo(dtype).max):
+            limit = torch.finfo(dtype).max
+            raise ValueError(f"padding={padding!r} is outside [{-limit}, {limit}], the finite values of {dtype}")
+        return value
+    if not isinstance(padding, numbers.Integral) and not (math.isfinite(padding) and float(padding).is_integer()):
+        raise ValueError(f"padding={padding!r} is not an integer, which {dtype} would truncate: pass a floating dtype")
+    low, high = _integer_range(dtype)
+    if not low <= int(padding) <= high:
+        raise ValueError(f"padding={padding!r} is outside [{low}, {high}], which {dtype} cannot hold")
+    return int(padding)

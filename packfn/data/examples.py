@@ -40,6 +40,7 @@ def token_tensor(values: object, index: int, name: str, *, kind: str = "example"
     try:
         tensor = torch.as_tensor(values)
     except (TypeError, ValueError, RuntimeError):
+        _raise_if_null(values, index, name, kind)
         raise TypeError(
             f"{kind} {index}: {name} must be a sequence of integer token ids, got {type(values).__name__}"
         ) from None
@@ -51,6 +52,19 @@ def token_tensor(values: object, index: int, name: str, *, kind: str = "example"
         raise ValueError(f"{kind} {index}: {name} must be 1-D, got shape {tuple(tensor.shape)}")
     _check_int64(tensor, f"{kind} {index}: {name}")
     return tensor.to(torch.int64)
+
+
+def _null_entry(index: int, name: str, position: int, *, kind: str = "example") -> TypeError:
+    """The error of a null (``None``) entry inside an example's ``name`` list, at token ``position``."""
+    return TypeError(f"{kind} {index}: {name} holds a null (None) at token {position}: give every token a value")
+
+
+def _raise_if_null(values: object, index: int, name: str, kind: str = "example") -> None:
+    """Raise :func:`_null_entry` for the first ``None`` of a list or tuple (called once a conversion has failed)."""
+    if isinstance(values, (list, tuple)):
+        position = next((position for position, value in enumerate(values) if value is None), None)
+        if position is not None:
+            raise _null_entry(index, name, position, kind=kind) from None
 
 
 def _check_int64(tensor: torch.Tensor, name: str) -> None:
@@ -72,6 +86,7 @@ def decode_example(example: object, index: int) -> tuple[torch.Tensor, torch.Ten
             try:
                 loss_mask = torch.as_tensor(example["loss_mask"])
             except (TypeError, ValueError, RuntimeError):
+                _raise_if_null(example["loss_mask"], index, "loss_mask")
                 raise TypeError(
                     f"example {index}: loss_mask must be a sequence of 0 / 1 (or bool) entries, "
                     f"got {type(example['loss_mask']).__name__}"
@@ -168,15 +183,6 @@ class Examples:
         check_lengths(documents, length, ids.is_null().to_numpy(zero_copy_only=False, writable=True))
         if lengths_only:
             return Tokens(torch.tensor(documents, dtype=torch.int64), length, None, None)
-        flat = {
-            name: torch.from_numpy(column.flatten().to_numpy(zero_copy_only=False, writable=True))
-            for name, column in columns.items()
-        }
-        for name in ("input_ids", "labels"):
-            if name in flat:
-                _check_int64(flat[name], f"column {name!r}")
-        tokens = flat["input_ids"].to(torch.int64)
-        labels = flat["labels"].to(torch.int64) if "labels" in flat else None
         for name in ("labels", "loss_mask"):
             if name in columns:
                 counts = pc.list_value_length(columns[name]).fill_null(-1).to_numpy(zero_copy_only=False, writable=True)
@@ -186,6 +192,21 @@ class Examples:
                     raise ValueError(
                         f"example {documents[int(wrong[0])]}: {name} must have as many entries as input_ids{null}"
                     )
+        values = {name: column.flatten() for name, column in columns.items()}
+        for name, flat_values in values.items():
+            if flat_values.null_count:  # a bit count of the validity bitmap at most (none without nulls)
+                position = pc.index(flat_values.is_null(), True).as_py()
+                example = int(torch.searchsorted(torch.cumsum(length, 0), position, right=True))
+                raise _null_entry(documents[example], name, position - int(length[:example].sum()))
+        flat = {
+            name: torch.from_numpy(flat_values.to_numpy(zero_copy_only=False, writable=True))
+            for name, flat_values in values.items()
+        }
+        for name in ("input_ids", "labels"):
+            if name in flat:
+                _check_int64(flat[name], f"column {name!r}")
+        tokens = flat["input_ids"].to(torch.int64)
+        labels = flat["labels"].to(torch.int64) if "labels" in flat else None
         if "loss_mask" in flat:
             labels = (tokens if labels is None else labels).masked_fill(flat["loss_mask"] == 0, IGNORE_INDEX)
         return Tokens(torch.tensor(documents, dtype=torch.int64), length, tokens, labels)

@@ -91,6 +91,18 @@ def _document_length(value: object, index: int) -> int:
         raise TypeError(f"document {index}: a length must be an int, got {type(value).__name__}") from None
 
 
+def _past_int64(document: int, length: int) -> ValueError:
+    return ValueError(f"document {document}: a length must fit in int64, got {length}")
+
+
+def _int64_lengths(values: torch.Tensor, first: int) -> torch.Tensor:
+    """``values`` as int64, raising for unsigned 64-bit lengths past int64 (they would turn negative)."""
+    if values.dtype == torch.uint64 and values.numel() and bool((values.view(torch.int64) < 0).any()):
+        index = int(torch.nonzero(values.view(torch.int64) < 0)[0, 0])
+        raise _past_int64(first + index, int(values.view(torch.int64)[index]) + 2**64)
+    return values.to(torch.int64)
+
+
 def check_iterable(lengths: object) -> None:
     if isinstance(lengths, (str, bytes)) or not isinstance(lengths, Iterable):
         raise TypeError(f"lengths must be an iterable of ints, got {type(lengths).__name__}")
@@ -104,19 +116,23 @@ def lengths_tensor(lengths: object, first: int = 0) -> torch.Tensor:
             raise TypeError(f"document {first}: a length must be an int, got {kind}")
         if lengths.ndim > 1:
             raise ValueError(f"lengths must be 1-D (one length per document), got shape {tuple(lengths.shape)}")
-        values = lengths.reshape(-1).to(torch.int64)
+        values = _int64_lengths(lengths.reshape(-1), first)
     elif hasattr(lengths, "__array_interface__") and getattr(lengths, "dtype", None) is not None:
         if lengths.dtype.kind not in "iu":  # a NumPy array
             raise TypeError(f"document {first}: a length must be an int, got an array of dtype {lengths.dtype}")
         if lengths.ndim > 1:
             raise ValueError(f"lengths must be 1-D (one length per document), got shape {tuple(lengths.shape)}")
-        values = torch.as_tensor(lengths).reshape(-1).to(torch.int64)
+        values = _int64_lengths(torch.as_tensor(lengths).reshape(-1), first)
     else:
         check_iterable(lengths)
         items = lengths if isinstance(lengths, (list, tuple)) else list(lengths)
         if not set(map(type, items)) <= {int}:  # the fast path: plain ints (set(map(...)) runs in C)
             items = [_document_length(value, first + index) for index, value in enumerate(items)]
-        values = torch.tensor(items, dtype=torch.int64)
+        try:
+            values = torch.tensor(items, dtype=torch.int64)
+        except (OverflowError, RuntimeError, ValueError):
+            index, value = next((index, value) for index, value in enumerate(items) if not -(2**63) <= value < 2**63)
+            raise _past_int64(first + index, value) from None
     if values.numel() and bool((values < 1).any()):
         index = int(torch.nonzero(values < 1)[0, 0])
         raise ValueError(f"document {first + index}: lengths must be positive, got {int(values[index])}")
@@ -168,7 +184,7 @@ def split_items(items: Items, budgets: Budgets) -> tuple[torch.Tensor, torch.Ten
             f"{round_up(length, budgets.alignment)} aligned columns (budget={budgets.budget}); "
             "pass split=True to cut it into pieces"
         )
-    pieces_per_item = torch.where(long, cdiv(items.length, longest), 1)
+    pieces_per_item = torch.where(long, (items.length - 1) // longest + 1, 1)  # cdiv, without length + longest - 1
     item = torch.repeat_interleave(torch.arange(count), pieces_per_item)
     within = torch.arange(item.shape[0]) - (torch.cumsum(pieces_per_item, 0) - pieces_per_item).index_select(0, item)
     length = torch.clamp(items.length.index_select(0, item) - within * longest, max=longest)

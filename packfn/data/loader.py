@@ -34,6 +34,7 @@ the number of batches the training loop consumed (workers take turns).
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 from collections.abc import Iterator, Mapping
 from typing import Any, NamedTuple
@@ -97,6 +98,11 @@ def _carry_from_state(state: Mapping[str, torch.Tensor]) -> Carry:
     return Carry(Items(state["document"], state["offset"], state["length"], state["total"]), state["row"], state["age"])
 
 
+def _fingerprint(lengths: torch.Tensor) -> str:
+    """A short digest of a window's document lengths: a state saved over other examples does not resume."""
+    return hashlib.blake2b(lengths.to(torch.int64).numpy().tobytes(), digest_size=8).hexdigest()
+
+
 class PackedDataset(IterableDataset):
     """An iterable dataset of packed batches with static shapes, sharded over workers and ranks, resumable.
 
@@ -135,15 +141,18 @@ class PackedDataset(IterableDataset):
         seed: Seed of that order.
         rank, world: This data-parallel rank and the number of ranks.
         drop_last: Drop each shard's last, partly filled batch.
-        padding_token_id: ``input_ids`` at padding.
+        padding_token_id: ``input_ids`` at padding (an int that int64 holds).
 
     Each shard (a worker of a rank) yields its own batches, so ranks may
     yield a different number of batches per epoch.
 
     Raises:
         TypeError, ValueError: bad arguments, at construction; bad examples
-            (no ``input_ids``, non-integer tokens, an empty example, a
-            document longer than a row without ``split=True``) when read.
+            (no ``input_ids``, non-integer tokens, a null inside a column's
+            list, an empty example, a document longer than a row without
+            ``split=True``) when read, each naming the example (and column);
+            a loaded state that does not match the examples
+            (:meth:`load_state_dict`) at the first batch.
     """
 
     def __init__(
@@ -179,6 +188,8 @@ class PackedDataset(IterableDataset):
                 raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
         self.seed = check_int(seed, "seed")
         self.padding_token_id = check_int(padding_token_id, "padding_token_id")
+        if not -(2**63) <= padding_token_id < 2**63:
+            raise ValueError(f"padding_token_id must fit in int64 (input_ids' dtype), got {padding_token_id}")
         self.shuffle, self.drop_last = shuffle, drop_last
         self._examples = Examples(examples)
         if shuffle and self._examples.count is None:
@@ -244,6 +255,13 @@ class PackedDataset(IterableDataset):
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Resume the next iteration where ``state`` (from :meth:`state_dict` or :meth:`state_after`) left off.
+
+        The state names documents by index; over other examples (of the same
+        count) the iteration's first batch raises a ``ValueError`` that says
+        the state does not match them when the documents it reads again
+        (the window it resumes in, the pieces it carries) have other
+        lengths, or a re-iterable ends before the position it resumes
+        from. Examples with the same lengths are not told apart.
 
         Raises:
             ValueError: a state of another version, or saved by a dataset
@@ -333,9 +351,17 @@ class PackedDataset(IterableDataset):
         if state["finished"]:
             return
         reader = _Reader(self._examples, self, shard, state, lengths_only)
+        resumed = state.get("lengths")  # a restored shard's window, read again: its lengths must be the same
         while True:
             carry = _carry_from_state(state["carry"])
             tokens, final = reader.window(state["position"], self.window)
+            lengths = _fingerprint(tokens.length)
+            if resumed is not None and lengths != resumed:
+                raise ValueError(
+                    f"the state_dict does not match these examples: the documents of shard {shard.index} from "
+                    f"position {state['position']} on have other lengths than when the state was saved"
+                )
+            resumed = None
             new = Items(tokens.document, torch.zeros_like(tokens.length), tokens.length, tokens.length)
             packed = pack_window(carry, new, self._budgets, self.batch, final)
             store = None if lengths_only else reader.store(carry, tokens)
@@ -344,7 +370,7 @@ class PackedDataset(IterableDataset):
                     continue
                 if rows.shape[0] < self.batch and self.drop_last:
                     break
-                state = {**state, "emitted": index + 1}
+                state = {**state, "emitted": index + 1, "lengths": lengths}
                 yield packed, rows, store, state
             if store is not None:
                 reader.keep(packed, store)
@@ -388,7 +414,11 @@ class _Reader:
         if self.stream is None:
             self.stream = self._own()
         while self.read < position:  # a restored shard: skip what was read before, keeping carried documents
-            next(self.stream)
+            if next(self.stream, None) is None:
+                raise ValueError(
+                    f"the state_dict does not match these examples: it resumes shard {self.shard.index} after "
+                    f"{position} of its examples, and they hold {self.read}"
+                )
         chunk = list(itertools.islice(self.stream, size))
         decoded = [decode_example(example, index) for index, example in chunk]
         return concatenate([index for index, _ in chunk], decoded, self.lengths_only), len(chunk) < size
@@ -424,22 +454,29 @@ class _Reader:
         documents = carry.items.document.tolist()
         if not documents:
             return torch.zeros(0, dtype=torch.int64), None
+        unique = sorted(set(documents))
         if self.order is not None:
-            read = self.examples.read(sorted(set(documents)))
-            starts = dict(
-                zip(read.document.tolist(), (torch.cumsum(read.length, 0) - read.length).tolist(), strict=True)
-            )
-            flat_tokens, flat_labels = read.tokens, read.labels
+            read = self.examples.read(unique)
         else:
-            unique = sorted(set(documents))
-            decoded = [self.carried[index] for index in unique]
-            read = concatenate(unique, decoded, False)
-            starts = dict(zip(unique, (torch.cumsum(read.length, 0) - read.length).tolist(), strict=True))
-            flat_tokens, flat_labels = read.tokens, read.labels
+            missing = [index for index in unique if index not in self.carried]
+            if missing:
+                raise ValueError(
+                    f"the state_dict does not match these examples: it carries a piece of example {missing[0]}, "
+                    "which these examples do not reach"
+                )
+            read = concatenate(unique, [self.carried[index] for index in unique], False)
+        held = dict(zip(unique, read.length.tolist(), strict=True))
+        for document, total in zip(documents, carry.items.total.tolist(), strict=True):
+            if held[document] != total:
+                raise ValueError(
+                    f"the state_dict does not match these examples: it carries a piece of example {document} "
+                    f"of {total} tokens, which has {held[document]} here"
+                )
+        starts = dict(zip(unique, (torch.cumsum(read.length, 0) - read.length).tolist(), strict=True))
         source = torch.tensor([starts[document] for document in documents], dtype=torch.int64) + carry.items.offset
         positions = token_positions(source, carry.items.length)
-        labels = None if flat_labels is None else flat_labels.index_select(0, positions)
-        return flat_tokens.index_select(0, positions), labels
+        labels = None if read.labels is None else read.labels.index_select(0, positions)
+        return read.tokens.index_select(0, positions), labels
 
     def keep(self, packed: Window, store) -> None:
         """Keep the tokens of the pieces carried into the next window."""

@@ -239,11 +239,11 @@ def pack_documents(
     Raises:
         TypeError: an argument or a length that is not an int (bools
             included), or ``lengths`` that is not iterable.
-        ValueError: a length below 1; a budget that is not a multiple of
-            ``alignment``; ``pad_to_multiple_of > sequence``; an unknown
-            strategy; a document that does not fit an empty row without
-            ``split``; documents that need more than ``batch`` rows; no
-            document with ``batch`` unset.
+        ValueError: a length below 1 or past int64; a budget that is not
+            a multiple of ``alignment``; ``pad_to_multiple_of > sequence``;
+            an unknown strategy; a document that does not fit an empty row
+            without ``split``; documents that need more than ``batch`` rows;
+            no document with ``batch`` unset.
 
     Example (``sequence=16, alignment=4, max_documents=3``, so ``budget=16``)::
 

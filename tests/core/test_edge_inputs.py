@@ -1,0 +1,270 @@
+"""Inputs at the edges of the data side and of ``pack``: nulls, scalars a dtype cannot hold, ids past int64, states.
+
+Each bad input gets an error that names the argument, the example or the
+column; none is written wrapped, truncated or as a sentinel.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import numpy
+import pytest
+import torch
+
+import packfn
+from packfn.data import PackedDataset
+from packfn.data.fit import Items, checked_budgets, split_items
+
+with contextlib.suppress(ImportError):  # imported at collection, before a test can take modules out of sys.modules
+    import datasets  # noqa: F401
+
+LOADER = {"batch": 1, "sequence": 8, "max_documents": 4}
+
+# ------------------------------------------------------------------ a null inside a list
+
+
+def _first(examples, **kwargs) -> dict:
+    return next(iter(PackedDataset(examples, **{**LOADER, **kwargs})))
+
+
+NULLS = {
+    "input_ids": [{"input_ids": [4, 5]}, {"input_ids": [1, None, 3]}],
+    "labels": [{"input_ids": [4, 5], "labels": [4, 5]}, {"input_ids": [1, 2, 3], "labels": [1, None, 3]}],
+    "loss_mask": [{"input_ids": [4, 5], "loss_mask": [1, 1]}, {"input_ids": [1, 2, 3], "loss_mask": [1, None, 0]}],
+}
+
+
+@pytest.mark.parametrize("column", list(NULLS))
+def test_a_null_inside_an_hf_dataset_list_raises_naming_the_example_and_column(column):
+    datasets = pytest.importorskip("datasets")
+    rows = NULLS[column]
+    message = rf"example 1: {column} holds a null \(None\) at token 1"
+    with pytest.raises(TypeError, match=message):  # the Arrow path
+        _first(datasets.Dataset.from_list(rows))
+    with pytest.raises(TypeError, match=message):  # the same rows as Python lists
+        _first(rows)
+
+
+def test_a_null_is_named_by_its_example_in_a_shuffled_window_of_several_arrow_chunks():
+    datasets = pytest.importorskip("datasets")
+    clean = datasets.Dataset.from_list([{"input_ids": [index + 1] * (1 + index % 3)} for index in range(5)])
+    dirty = datasets.Dataset.from_list([{"input_ids": [7, 7, 7, None]}])
+    examples = datasets.concatenate_datasets([clean, dirty, clean])  # example 5 holds the null
+    with pytest.raises(TypeError, match=r"example 5: input_ids holds a null \(None\) at token 3"):
+        list(PackedDataset(examples, **LOADER, shuffle=True, seed=1, window=20))
+    assert len(list(PackedDataset(datasets.concatenate_datasets([clean, clean]), **LOADER, shuffle=True))) > 0
+
+
+# ------------------------------------------------------------------ gather's padding
+
+
+def _packed() -> packfn.PackedBatch:
+    return packfn.pack_documents([3, 2], sequence=4, alignment=1, max_documents=2)
+
+
+UINT8 = [torch.tensor([1, 2, 3], dtype=torch.uint8), torch.tensor([4, 5], dtype=torch.uint8)]
+
+
+@pytest.mark.parametrize(
+    ("padding", "dtype", "message"),
+    [
+        (-100, None, r"padding=-100 is outside \[0, 255\], which torch.uint8 cannot hold"),
+        (-1, None, r"padding=-1 is outside \[0, 255\]"),
+        (256, None, r"padding=256 is outside \[0, 255\]"),
+        (0.5, torch.int64, "padding=0.5 is not an integer, which torch.int64 would truncate"),
+        (float("nan"), torch.int64, "padding=nan is not an integer"),
+        (2, torch.bool, r"padding=2 is outside \[0, 1\], which torch.bool cannot hold"),
+        (2**63, torch.int64, "padding=9223372036854775808 is outside"),
+        (1e6, torch.float16, "padding=1000000.0 is outside .* the finite values of torch.float16"),
+        pytest.param(10**400, torch.float32, "the finite values of torch.float32", id="10**400-float32"),
+    ],
+)
+def test_gather_padding_the_dtype_cannot_hold_raises_instead_of_wrapping(padding, dtype, message):
+    with pytest.raises(ValueError, match=message):
+        _packed().gather(UINT8, padding=padding, dtype=dtype)
+
+
+def test_gather_padding_the_dtype_holds_is_written_as_it_is():
+    packed = _packed()
+    assert packed.gather(UINT8, padding=255)[1].tolist() == [4, 5, 255, 255]
+    assert packed.gather(UINT8, padding=1.0, dtype=torch.int64)[1].tolist() == [4, 5, 1, 1]
+    assert packed.gather(UINT8, padding=-(2**63), dtype=torch.int64)[1, 2] == -(2**63)
+    assert packed.gather(UINT8, padding=float("-inf"), dtype=torch.float16)[1, 3] == float("-inf")
+    assert packed.gather(UINT8, padding=2**70, dtype=torch.float32)[1, 3] == float(2**70)
+    assert packed.gather(UINT8, padding=numpy.int64(7))[1, 3] == 7
+    with pytest.raises(TypeError, match="padding must be an int or a float, got str"):
+        packed.gather(UINT8, padding="0")
+    with pytest.raises(TypeError, match="padding must be an int or a float, got Tensor"):
+        packed.gather(UINT8, padding=torch.tensor(0))
+
+
+# ------------------------------------------------------------------ the loader's padding id
+
+
+@pytest.mark.parametrize("padding_token_id", [2**70, 2**63, -(2**63) - 1])
+def test_a_padding_token_id_past_int64_raises_at_construction(padding_token_id):
+    with pytest.raises(ValueError, match=rf"padding_token_id must fit in int64 .*got {padding_token_id}"):
+        PackedDataset([[1, 2]], **LOADER, padding_token_id=padding_token_id)
+
+
+@pytest.mark.parametrize("padding_token_id", [2**63 - 1, -(2**63)])
+def test_a_padding_token_id_at_int64_s_limits_is_written(padding_token_id):
+    assert _first([[1, 2]], padding_token_id=padding_token_id)["input_ids"][0].tolist()[2:] == [padding_token_id] * 6
+
+
+# ------------------------------------------------------------------ a state over other examples
+
+RESUME = {"batch": 1, "sequence": 8, "max_documents": 3, "window": 4, "split": True}
+LENGTHS = (5, 3, 7, 2, 6, 4, 3, 5)
+
+
+class Reiterable:
+    """A re-iterable that is not a sequence (the loader reads it in one pass, skipping on resume)."""
+
+    def __init__(self, documents):
+        self.documents = documents
+
+    def __iter__(self):
+        return iter(self.documents)
+
+
+def _documents(lengths) -> list[list[int]]:
+    return [[index + 1] * length for index, length in enumerate(lengths)]
+
+
+def _state_after(examples, batches: int) -> dict:
+    dataset = PackedDataset(examples, **RESUME)
+    iterator = iter(dataset)
+    for _ in range(batches):
+        next(iterator)
+    return dataset.state_dict()
+
+
+KINDS = {
+    "list": lambda documents: documents,
+    "datasets": lambda documents: pytest.importorskip("datasets").Dataset.from_dict({"input_ids": documents}),
+    "re-iterable": Reiterable,
+}
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_a_state_dict_over_other_examples_of_the_same_count_raises(kind):
+    make = KINDS[kind]
+    state = _state_after(make(_documents(LENGTHS)), 2)
+    other = PackedDataset(make(_documents((2, 3, 1, 2, 1, 1, 3, 1))), **RESUME)
+    other.load_state_dict(state)  # the settings (and the count) match
+    with pytest.raises(ValueError, match="the state_dict does not match these examples: the documents of shard 0"):
+        next(iter(other))
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_a_state_dict_whose_carried_piece_has_another_length_here_raises(kind):
+    make = KINDS[kind]
+    state = _state_after(make(_documents(LENGTHS)), 4)
+    (carried,) = state["shards"]["0/1"]["carry"]["document"].tolist()  # a piece of document 3 waits in a row
+    assert carried == 3 and state["shards"]["0/1"]["position"] == 4
+    lengths = list(LENGTHS)
+    lengths[carried] += 2  # the window it resumes in (documents 4 to 7) is the same
+    other = PackedDataset(make(_documents(lengths)), **RESUME)
+    other.load_state_dict(state)
+    with pytest.raises(ValueError, match="carries a piece of example 3 of 2 tokens, which has 4 here"):
+        next(iter(other))
+
+
+def test_a_state_dict_past_the_end_of_a_shorter_re_iterable_raises():
+    state = _state_after(Reiterable(_documents(LENGTHS)), 4)
+    other = PackedDataset(Reiterable(_documents(LENGTHS[:3])), **RESUME)
+    other.load_state_dict(state)  # a re-iterable has no count to compare
+    with pytest.raises(ValueError, match="resumes shard 0 after 4 of its examples, and they hold 3"):
+        next(iter(other))
+
+
+def test_a_state_dict_over_examples_of_the_same_lengths_resumes():
+    documents = _documents(LENGTHS)
+    state = _state_after(documents, 2)
+    same_lengths = [[token + 100 for token in document] for document in documents]
+    restored = PackedDataset(same_lengths, **RESUME)
+    restored.load_state_dict(state)
+    assert [batch["seq_lens"].tolist() for batch in restored] == [
+        batch["seq_lens"].tolist() for batch in list(PackedDataset(documents, **RESUME))[2:]
+    ]
+
+
+# ------------------------------------------------------------------ lengths past int64
+
+
+@pytest.mark.parametrize(
+    ("lengths", "past"),
+    [
+        ([2**70], 2**70),
+        ([3, 2**63], 2**63),
+        (numpy.array([2, 2**64 - 1], dtype=numpy.uint64), 2**64 - 1),
+        (torch.tensor([2, 2**63 + 1], dtype=torch.uint64), 2**63 + 1),
+    ],
+    ids=["2**70", "2**63", "numpy uint64", "torch uint64"],
+)
+@pytest.mark.parametrize("split", [True, False])
+def test_pack_documents_a_length_past_int64_raises_naming_it(lengths, past, split):
+    index = len(lengths) - 1
+    with pytest.raises(ValueError, match=rf"document {index}: a length must fit in int64, got {past}"):
+        packfn.pack_documents(lengths, sequence=8, alignment=1, max_documents=2, split=split)
+
+
+def test_pack_stream_a_length_past_int64_raises_naming_it():
+    stream = packfn.pack_stream(iter([3, 2, 2**64]), batch=1, sequence=8, alignment=1, max_documents=2, window=2)
+    with pytest.raises(ValueError, match="document 2: a length must fit in int64, got 18446744073709551616"):
+        list(stream)
+
+
+def test_a_split_length_near_int64_s_limit_is_cut_without_wrapping_its_piece_count():
+    # 2**63 - 1 + longest - 1 is past int64: the piece count must not be computed through it.
+    budgets = checked_budgets(2**62, 1, 2, None, 1, True)
+    lengths = torch.tensor([2**63 - 1, 5])
+    item, offset, length = split_items(
+        Items(torch.arange(2), torch.zeros(2, dtype=torch.int64), lengths, lengths), budgets
+    )
+    assert item.tolist() == [0, 0, 1]
+    assert offset.tolist() == [0, 2**62, 0] and length.tolist() == [2**62, 2**62 - 1, 5]
+
+
+# ------------------------------------------------------------------ pack's fill
+
+
+def _layout() -> packfn.PackedSequenceLayout:
+    return packfn.aligned_layout(torch.tensor([[3, 5]]), sequence_length=9, alignment=4, budget=12)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "fill", "message"),
+    [
+        (torch.int64, 0.5, "fill=0.5 is not an integer, which values of torch.int64 cannot hold"),
+        (torch.int64, float("inf"), "fill=inf is not an integer"),
+        (torch.uint8, -1, r"fill=-1 is outside \[0, 255\], which values of torch.uint8 cannot hold"),
+        (torch.uint8, 256, r"fill=256 is outside \[0, 255\]"),
+        (torch.bool, 2, r"fill=2 is outside \[0, 1\]"),
+        (torch.int64, 2**53 + 1, "fill=9007199254740993 does not pass exactly as the op's float64 scalar"),
+        (torch.int64, 2**63 - 1, "does not pass exactly"),  # as a float64 it is 2**63, which wraps
+        (torch.float16, 1e6, "fill=1000000.0 is outside .* the finite values of torch.float16"),
+    ],
+)
+def test_pack_fill_the_values_dtype_cannot_hold_raises_naming_fill(dtype, fill, message):
+    with pytest.raises(ValueError, match=message):
+        _layout().pack(torch.ones(1, 9, dtype=dtype), fill=fill)
+
+
+def test_pack_fill_the_values_dtype_holds_is_written_as_it_is():
+    layout = _layout()
+    padding = [3, 9, 10, 11]
+    for dtype, fill in [
+        (torch.uint8, 255),
+        (torch.int64, 1.0),
+        (torch.int64, -(2**53)),
+        (torch.bool, True),
+        (torch.float16, float("-inf")),
+        (torch.float32, 2**70),
+    ]:
+        packed = layout.pack(torch.zeros(1, 9, dtype=dtype), fill=fill)
+        assert packed.dtype == dtype and packed[0, padding].tolist() == [fill] * 4, (dtype, fill)
+    nan = layout.pack(torch.zeros(1, 9), fill=float("nan"))
+    assert nan[0, padding].isnan().all()
