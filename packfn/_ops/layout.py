@@ -302,18 +302,42 @@ def aligned_layout_op(
 # both ops take both tables.
 
 
+def _trailing(mask: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """``[B, width]`` as ``[B, width, 1, ...]``, to broadcast over ``values``' trailing axes."""
+    return mask.reshape(*mask.shape, *([1] * (values.ndim - 2)))
+
+
 def _gather_rows(values: torch.Tensor, index: torch.Tensor, fill: float) -> torch.Tensor:
-    """``[B, width, ...]``: ``values[b, index[b, j]]``, ``fill`` where ``index`` is negative."""
-    batch, source = values.shape[:2]
-    width = index.shape[1]
+    """``[B, width, ...]``: ``values[b, index[b, j]]``, ``fill`` where ``index`` is negative.
+
+    A gather along the sequence axis, the index broadcast over the trailing
+    axes: one indirect load under Inductor. ``values`` is never reshaped:
+    merging its batch and sequence axes makes the tracer guard on their
+    product's divisibility (``2 % (2 * budget) != 0`` for a budget traced
+    from the sequence), which a ``torch.export`` ``Dim`` cannot satisfy.
+    """
     valid = index >= 0
-    # One flat row gather: a contiguous copy per token row in eager, a
-    # single indirect load under Inductor.
+    expanded = _trailing(index.clamp_min(0), values).expand(*index.shape, *values.shape[2:])
+    return values.gather(1, expanded).masked_fill(~_trailing(valid, values), fill)
+
+
+def _gather_rows_eager(values: torch.Tensor, index: torch.Tensor, fill: float) -> torch.Tensor:
+    """:func:`_gather_rows` as one flat row gather: a contiguous copy per token row, faster in eager."""
+    batch, source = values.shape[:2]
     offsets = torch.arange(batch, device=index.device).unsqueeze(1) * source
     flat = (index.clamp_min(0) + offsets).reshape(-1)
-    gathered = values.flatten(0, 1).index_select(0, flat).unflatten(0, (batch, width))
-    valid = valid.reshape(*valid.shape, *([1] * (values.ndim - 2)))
-    return gathered.masked_fill(~valid, fill)
+    gathered = values.flatten(0, 1).index_select(0, flat).unflatten(0, tuple(index.shape))
+    return gathered.masked_fill(~_trailing(index >= 0, values), fill)
+
+
+def _pack_eager(
+    values: torch.Tensor, source_indices: torch.Tensor, input_positions: torch.Tensor, fill: float
+) -> torch.Tensor:
+    return _gather_rows_eager(values, source_indices, fill)
+
+
+def _restore_eager(values: torch.Tensor, input_positions: torch.Tensor, source_indices: torch.Tensor) -> torch.Tensor:
+    return _gather_rows_eager(values, input_positions, 0.0)
 
 
 def _pack_fake(values: torch.Tensor, source_indices: torch.Tensor, input_positions: torch.Tensor, fill: float):
@@ -340,13 +364,15 @@ def _restore_backward(ctx, grad: torch.Tensor):
     return pack_op(grad, source_indices, input_positions, 0.0), None, None
 
 
-@packfn_op("pack", fake=_pack_fake, backward=_pack_backward, setup_context=_setup_context)
+@packfn_op("pack", fake=_pack_fake, eager=_pack_eager, backward=_pack_backward, setup_context=_setup_context)
 def pack_op(
     values: torch.Tensor, source_indices: torch.Tensor, input_positions: torch.Tensor, fill: float
 ) -> torch.Tensor:
     return _gather_rows(values, source_indices, fill)
 
 
-@packfn_op("restore", fake=_restore_fake, backward=_restore_backward, setup_context=_setup_context)
+@packfn_op(
+    "restore", fake=_restore_fake, eager=_restore_eager, backward=_restore_backward, setup_context=_setup_context
+)
 def restore_op(values: torch.Tensor, input_positions: torch.Tensor, source_indices: torch.Tensor) -> torch.Tensor:
     return _gather_rows(values, input_positions, 0.0)

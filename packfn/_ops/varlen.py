@@ -76,13 +76,13 @@ def segment_starts(document_ids: torch.Tensor) -> torch.Tensor:
     next row's first one once flattened) and wherever the id changes, so
     padding runs are segments of their own.
 
-    Each id is compared with its left neighbour shifted into place (two
-    ``[batch, sequence]`` operands): comparing the slices ``[:, 1:]`` and
-    ``[:, :-1]`` would broadcast two ``sequence - 1`` sizes, which guards
-    ``sequence != 2`` and so breaks ``torch.export`` with a ``Dim`` whose
-    range holds 2 and recompiles a dynamic compile there.
+    Each id is compared with its left neighbour shifted into place, padded
+    then sliced to full width (NOTE [Shifts of full width] in
+    :mod:`packfn._ops.formats`): no intermediate of width ``sequence - 1``,
+    whose contiguity check guards ``sequence - 1 != 1`` in AOTAutograd and
+    so recompiles a dynamic compile at two columns.
     """
-    previous = F.pad(document_ids[:, :-1], (1, 0))
+    previous = F.pad(document_ids, (1, 0))[:, :-1]
     first = torch.arange(document_ids.shape[1], device=document_ids.device) == 0
     return (document_ids != previous) | first
 

@@ -4,17 +4,18 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import example, given, settings
+from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 
 from packfn._ops import layout as layout_ops
 from packfn._ops import metadata as ops
 from packfn._ops import varlen as varlen_ops
 from packfn._ops._cpu import numpy_views
+from packfn.layout import aligned_layout, safe_budget
 
 from tests.assertions import assert_same, assert_same_outputs
 from tests.strategies import packing_masks
-from tests.strategies_layout import layout_inputs
+from tests.strategies_layout import layout_inputs, random_values
 
 EAGER_OPS = [ops.varlen_metadata_op, ops.batch_metadata_op]
 
@@ -63,6 +64,32 @@ def test_layout_eager_kernel_matches_decomposition(inputs, data):
     need = int(layout_ops.DocumentTable.build(lengths, spans, alignment, sequence).longest())
     blocks = data.draw(st.integers(max(0, -(-need // alignment) - 1), -(-need // alignment) + 2), label="blocks")
     assert_same_outputs(op, lengths, spans, sequence, alignment, blocks * alignment)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    inputs=layout_inputs(),
+    trailing=st.sampled_from([(), (3,), (2, 3)]),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.int64, torch.bool]),
+    fill=st.sampled_from([0.0, 1.0, -1.0]),
+)
+def test_pack_and_restore_eager_kernels_match_their_decompositions(inputs, trailing, dtype, fill):
+    """``pack`` / ``restore``: the eager flat row copy equals the decomposition's gather along the sequence axis."""
+    batch, sequence = inputs.input_shape
+    assume(sequence > 0)  # an empty input row has no column to gather the aligned row's padding from, in either form
+    lengths = inputs.seq_lens.reshape(batch, -1)
+    spans = lengths if inputs.seq_lens_padded is None else inputs.seq_lens_padded.reshape(batch, -1)
+    budget = safe_budget(sequence, lengths.shape[1], inputs.alignment)
+    layout = aligned_layout(lengths, spans, sequence_length=sequence, alignment=inputs.alignment, budget=budget)
+    values = random_values((batch, sequence, *trailing), dtype)
+    aligned = random_values((batch, budget, *trailing), dtype, seed=1)
+    tables = (layout.source_indices, layout.input_positions)
+    for op, args in (
+        (layout_ops.pack_op, (values, *tables, fill)),
+        (layout_ops.restore_op, (aligned, *reversed(tables))),
+    ):
+        assert op.eager is not op.math
+        assert_same(op.eager(*args), op.math(*args))
 
 
 @st.composite

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch._dynamo.testing
+from torch._dynamo.testing import CompileCounterWithBackend
 from torch.export import Dim
 
 import packfn
@@ -99,18 +99,19 @@ def test_layout_with_a_fixed_budget_exports_with_the_default_dims(trailing, batc
             torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
-def test_layout_with_a_budget_from_the_traced_sequence_exports_from_documents_columns():
+@pytest.mark.parametrize("trailing", [(), (3,), (3, 5)])
+def test_layout_with_a_budget_from_the_traced_sequence_exports_from_documents_columns(trailing):
     module = Layout(budget=None)
     documents = SEQ_LENS.shape[1]
+    values = torch.randn(2, 16, *trailing)
     with pytest.raises(Exception, match="Constraints violated"):  # the solver cannot bound min(documents, S) below
-        torch.export.export(module, (SEQ_LENS, torch.randn(2, 16)), dynamic_shapes=(None, {1: Dim("S")}))
-    exported = torch.export.export(
-        module, (SEQ_LENS, torch.randn(2, 16)), dynamic_shapes=(None, {1: Dim("S", min=documents)})
-    )
-    for sequence in (10, 13, 40):
-        args = (SEQ_LENS, torch.randn(2, sequence))
-        for got, want in zip(exported.module()(*args), module(*args), strict=True):
-            torch.testing.assert_close(got, want, rtol=0, atol=0)
+        torch.export.export(module, (SEQ_LENS, values), dynamic_shapes=(None, {1: Dim("S")}))
+    for dim in (Dim("S", min=documents), Dim("S", min=8, max=512)):
+        exported = torch.export.export(module, (SEQ_LENS, values), dynamic_shapes=(None, {1: dim}))
+        for sequence in (10, 13, 40):
+            args = (SEQ_LENS, torch.randn(2, sequence, *trailing))
+            for got, want in zip(exported.module()(*args), module(*args), strict=True):
+                torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
 class BlockMaskTensors(torch.nn.Module):
@@ -139,10 +140,14 @@ def test_document_block_mask_exports_for_whole_blocks_from_two():
 
 
 def test_physical_varlen_metadata_compiles_once_across_sequences_from_two():
-    counter = torch._dynamo.testing.CompileCounter()
-    compiled = torch.compile(lambda ids: tuple(packfn.physical_varlen_metadata(ids))[:3], backend=counter, dynamic=True)
-    for sequence in (3, 2, 4, 7):
-        ids = _ids(sequence, sequence)
-        for got, want in zip(compiled(ids), tuple(packfn.physical_varlen_metadata(ids))[:3], strict=True):
-            assert torch.equal(got, want)
+    """Through AOTAutograd and Inductor (a guard there recompiles too): compiled at 5, then 7, then 2 columns."""
+    counter = CompileCounterWithBackend("inductor")
+    compiled = torch.compile(
+        lambda ids: tuple(packfn.physical_varlen_metadata(ids))[:3], backend=counter, dynamic=True, fullgraph=True
+    )
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for sequence in (5, 7, 2, 3):
+            ids = _ids(sequence, sequence)
+            for got, want in zip(compiled(ids), tuple(packfn.physical_varlen_metadata(ids))[:3], strict=True):
+                assert torch.equal(got, want)
     assert counter.frame_count == 1
