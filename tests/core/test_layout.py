@@ -322,9 +322,10 @@ class AlignedRoundTrip(torch.nn.Module):
         return (*layout_fields(layout), packed, layout.restore(packed))
 
 
-def test_export_aligned_layout_with_dynamic_sequence_runs_at_other_lengths():
+@pytest.mark.parametrize("trailing", [(), (3, 5)])
+def test_export_aligned_layout_with_dynamic_sequence_runs_at_other_lengths(trailing):
     module = AlignedRoundTrip()
-    exported = export_dynamic(module, round_trip_inputs(32, ()), (None, {1: Dim("S", min=16, max=4096)}))
+    exported = export_dynamic(module, round_trip_inputs(32, trailing), (None, {1: Dim("S", min=16, max=4096)}))
     for sequence in (20, 40, 3000):
-        inputs = round_trip_inputs(sequence, ())
+        inputs = round_trip_inputs(sequence, trailing)
         assert_same(tuple(exported(*inputs)), module(*inputs))
