@@ -3,7 +3,8 @@
 Each entry says which releases it is for and when it can go;
 ``tests/core/test_compat.py`` fails on a torch where a workaround is no
 longer needed (so it gets removed) or no longer works (so it gets fixed).
-packfn supports torch 2.11 to 2.14 (``pyproject.toml``).
+packfn supports torch 2.11 and newer (``pyproject.toml``); CI runs 2.11, 2.13
+and 2.15.
 """
 
 from __future__ import annotations
@@ -64,9 +65,9 @@ def scatter(buffer: torch.Tensor, dim: int, index: torch.Tensor, src: torch.Tens
 def leading_columns(tensor: torch.Tensor, count) -> torch.Tensor:
     """The first ``count`` columns (axis 1) of ``tensor`` as a new contiguous tensor.
 
-    By ``index_select`` rather than a slice: Inductor (torch 2.13) can save a
-    slice of unbacked width for the backward with other strides than it
-    planned for ("expected ... stride 4==8"). Use a slice once no supported
+    By ``index_select`` rather than a slice: Inductor (torch 2.13 to 2.15) can
+    save a slice of unbacked width for the backward with other strides than
+    it planned for ("expected ... stride 4==8"). Use a slice once no supported
     torch does this.
     """
     return tensor.index_select(1, torch.arange(count, device=tensor.device))

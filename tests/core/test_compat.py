@@ -31,7 +31,7 @@ NEEDED_ON = {
     "all_gather": {(2, 11), (2, 12)},
     "sym_min": {(2, 11)},
     "scatter": {(2, 11)},
-    "leading_columns": {(2, 13), (2, 14)},
+    "leading_columns": {(2, 13), (2, 14), (2, 15)},
 }
 
 
