@@ -25,6 +25,12 @@ family's activations) still come from ``mmap``. The JSON records the setting.
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+if not __package__:  # run as a file: import from the repository root (scripts/__init__.py)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 import argparse
 import ctypes
 import importlib
@@ -33,11 +39,11 @@ import math
 import platform
 import statistics
 import time
-from pathlib import Path
 
 import torch
 
-from benchmarks.common import Case, make_inputs
+from scripts.benchmarks.common import Case, make_inputs
+from scripts.measure import synchronize
 
 FAMILIES = ("metadata", "layout", "attention", "formats")
 
@@ -65,11 +71,6 @@ def keep_freed_memory() -> None:
         raise RuntimeError("glibc's mallopt refused the --keep-freed-memory settings")
 
 
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def calls_per_sample(case: Case, device: torch.device, sample_s: float) -> dict[str, int]:
     """How many back-to-back calls make one sample of each variant last about ``sample_s`` (one call at least).
 
@@ -81,10 +82,10 @@ def calls_per_sample(case: Case, device: torch.device, sample_s: float) -> dict[
     for label, function in case.variants.items():
         fastest = math.inf
         for _ in range(3):
-            _synchronize(device)
+            synchronize(device)
             begin = time.perf_counter()
             function()
-            _synchronize(device)
+            synchronize(device)
             fastest = min(fastest, time.perf_counter() - begin)
         calls[label] = max(1, min(1000, round(sample_s / max(fastest, 1e-9))))
     return calls
@@ -97,11 +98,11 @@ def time_case(case: Case, repeats: int, device: torch.device, budget_s: float, s
     started = time.perf_counter()
     for round_index in range(repeats):
         for label, function in case.variants.items():
-            _synchronize(device)
+            synchronize(device)
             begin = time.perf_counter()
             for _ in range(calls[label]):
                 function()
-                _synchronize(device)  # each call's latency on an accelerator, not a queue's throughput
+                synchronize(device)  # each call's latency on an accelerator, not a queue's throughput
             samples[label].append((time.perf_counter() - begin) / calls[label])
         if round_index >= 2 and time.perf_counter() - started > budget_s:
             break
@@ -122,7 +123,7 @@ def run(
         for mean in means:
             inputs = make_inputs(sequence, mean, device=device)
             for family in families:
-                module = importlib.import_module(f"benchmarks.{family}")
+                module = importlib.import_module(f"scripts.benchmarks.{family}")  # formats imports its anchors
                 for case in module.cases(inputs):
                     for label in case.variants:
                         case.variants[label]()  # warm every variant once

@@ -25,6 +25,12 @@ the ratio ``upstream / variant`` (above 1: faster than upstream).
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+if not __package__:  # run as a file: import from the repository root (scripts/__init__.py)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 import argparse
 import copy
 import datetime
@@ -33,19 +39,14 @@ import os
 import socket
 import statistics
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from benchmarks.common import make_inputs
+from scripts.benchmarks.common import make_inputs, round_up
 
 ALIGNMENT = 128
-
-
-def _round_up(value: int, multiple: int) -> int:
-    return (value + multiple - 1) // multiple * multiple
 
 
 def _variants(inputs, world: int, rank: int, hidden: int, compile_static: bool):
@@ -62,8 +63,8 @@ def _variants(inputs, world: int, rank: int, hidden: int, compile_static: bool):
     seq_lens = inputs.seq_lens
     tokens = torch.randint(1, 32000, (inputs.batch, inputs.sequence), generator=generator)
     batch = {"input_ids": tokens, "labels": tokens.clone(), "seq_lens": seq_lens}
-    aligned = (seq_lens.clamp_min(0) + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
-    budget = _round_up(max(int(aligned.sum(-1).max()), inputs.sequence), world * ALIGNMENT)
+    aligned = round_up(seq_lens.clamp_min(0), ALIGNMENT)
+    budget = round_up(max(int(aligned.sum(-1).max()), inputs.sequence), world * ALIGNMENT)
 
     def static():
         return shard_packed_batch(

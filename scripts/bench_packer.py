@@ -35,6 +35,12 @@ plus two output writes.
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+if not __package__:  # run as a file: import from the repository root (scripts/__init__.py)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 import argparse
 import bisect
 import itertools
@@ -44,13 +50,13 @@ import platform
 import statistics
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 
 import packfn
 
-from packed_decoder import neat_packing
+from scripts.benchmarks.common import round_up
+from scripts.upstream import neat_packing
 
 DOCUMENTS = 20_000
 STREAMS = ("exponential 96", "exponential 300", "exponential 800", "chat mix")
@@ -147,10 +153,6 @@ def anchors_available() -> dict[str, str | None]:
 
 
 # ------------------------------------------------------------------ measuring
-
-
-def round_up(value: int, multiple: int) -> int:
-    return -(-value // multiple) * multiple
 
 
 def aligned_overflow(rows: list[list[int]], alignment: int, budget: int, cap: int | None) -> dict[str, float]:

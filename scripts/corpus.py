@@ -1,4 +1,4 @@
-"""Real token streams for the scripts, with nothing downloaded: the Python standard library's own sources.
+"""The documents the scripts train on, with nothing downloaded: the Python standard library's own sources.
 
 Every Python installation ships its standard library as ``.py`` files. Each
 top-level module (``<stdlib>/*.py``, in name order) is cut into documents
@@ -12,16 +12,33 @@ used (byte-level, so nothing is unknown, when the vocabulary has room for
 the 256 bytes; otherwise over characters, the rarest mapped to ``<unk>``).
 The tokenizer and the documents are deterministic: the same vocabulary and
 token count give the same token ids on every machine with the same Python.
+
+:func:`exponential_documents` gives random ids in documents of seeded
+exponential lengths instead. A script picks one with ``--data``
+(:func:`add_data_argument`) and reads it with :func:`training_documents`.
 """
 
 from __future__ import annotations
 
+import argparse
 import ast
+import math
 import sysconfig
 from collections.abc import Iterator
 from pathlib import Path
 
-__all__ = ["stdlib_documents", "token_documents", "train_tokenizer"]
+import torch
+
+__all__ = [
+    "add_data_argument",
+    "document_lengths",
+    "documents_source",
+    "exponential_documents",
+    "stdlib_documents",
+    "token_documents",
+    "train_tokenizer",
+    "training_documents",
+]
 
 _DEFINITIONS = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
 
@@ -99,3 +116,49 @@ def token_documents(vocab: int, tokens: int, *, ratio: float = 3.0) -> list[list
         if sum(map(len, documents)) >= tokens or sum(map(len, texts)) < characters:  # enough, or all there is
             return documents
         characters *= 2
+
+
+def document_lengths(mean: int, seed: int) -> Iterator[int]:
+    """An endless seeded stream of document lengths: exponential with mean ``mean``, at least 1 token."""
+    generator = torch.Generator().manual_seed(seed)
+    while True:
+        for uniform in torch.rand(256, generator=generator, dtype=torch.float64).tolist():
+            yield max(1, math.ceil(-mean * math.log1p(-uniform)))
+
+
+def exponential_documents(tokens: int, *, vocab: int, mean: int, seed: int = 0) -> list[list[int]]:
+    """Seeded random ids in ``[1, vocab)``, in documents of :func:`document_lengths`, at least ``tokens`` in all."""
+    generator = torch.Generator().manual_seed(10_000 + seed)
+    documents, total = [], 0
+    for length in document_lengths(mean, seed):
+        documents.append(torch.randint(1, vocab, (length,), generator=generator).tolist())
+        total += length
+        if total >= tokens:
+            return documents
+    raise AssertionError("unreachable: the stream is endless")
+
+
+def add_data_argument(parser: argparse.ArgumentParser) -> None:
+    """``--data``: the documents of :func:`training_documents` (the script has ``--vocab`` and ``--mean`` too)."""
+    parser.add_argument(
+        "--data",
+        choices=("stdlib", "exponential"),
+        default="stdlib",
+        help="documents: the standard library's sources, BPE-tokenized (vocabulary --vocab), or random ids of "
+        "exponential lengths (mean --mean)",
+    )
+
+
+def training_documents(arguments: argparse.Namespace, tokens: int) -> list[list[int]]:
+    """At least ``tokens`` tokens of the ``--data`` documents (fewer only when the standard library runs out)."""
+    if arguments.data == "stdlib":
+        return token_documents(arguments.vocab, tokens)
+    seed = getattr(arguments, "seed", 0)
+    return exponential_documents(tokens, vocab=arguments.vocab, mean=arguments.mean, seed=seed)
+
+
+def documents_source(arguments: argparse.Namespace) -> str:
+    """What the ``--data`` documents are, for a report."""
+    if arguments.data == "stdlib":
+        return f"the standard library's sources, a BPE of {arguments.vocab} ids trained on them"
+    return f"random ids, exponential lengths of mean {arguments.mean}, seed {getattr(arguments, 'seed', 0)}"

@@ -1,4 +1,4 @@
-"""Export the packed decoder of ``scripts/main_job.py``, lower it, package it with AOTInductor and run the package.
+"""Export the example model (``examples/packed_decoder.py``), lower it, package it with AOTInductor and run the package.
 
 Steps, each checked:
 
@@ -17,16 +17,22 @@ Steps, each checked:
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+if not __package__:  # run as a file: import from the repository root (scripts/__init__.py)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 import argparse
 import tempfile
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
-from packed_decoder import PackedDecoder, add_model_arguments, batches_and_config
+from examples.packed_decoder import PackedDecoder
+from scripts.batches import add_model_arguments, batches_and_config
 
 __all__ = ["ExportReport", "main", "packfn_nodes", "run"]
 

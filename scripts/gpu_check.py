@@ -20,7 +20,7 @@ start past ``--budget`` seconds is skipped and says so in the summary):
    Target: pack at 80% of copy bandwidth.
 5. ``upstream``: the compiled static ops against NeMo AutoModel's eager
    helpers on the same inputs (CUDA-event medians).
-6. ``model``: the packed decoder of ``scripts/main_job.py`` trained a few
+6. ``model``: the example model (``examples/packed_decoder.py``) trained a few
    steps under ``torch.compile(mode="reduce-overhead")`` (CUDA graphs), with
    CUDA-graph skips counted, against the same model driven by upstream eagerly.
 
@@ -36,6 +36,12 @@ the script cannot rot between the sessions that are lent a GPU.
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+if not __package__:  # run as a file: import from the repository root (scripts/__init__.py)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 import argparse
 import dataclasses
 import functools
@@ -43,13 +49,13 @@ import json
 import platform
 import re
 import statistics
-import sys
 import time
 import traceback
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
+
+from scripts.measure import synchronize
 
 SECTIONS = ("codegen", "compiled", "sync", "bandwidth", "upstream", "model")
 METADATA_OPS = ("varlen_metadata", "batch_metadata", "flatten_metadata")
@@ -86,11 +92,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 # ------------------------------------------------------------------ helpers
-
-
-def _synchronize(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
 
 
 def _median_ms(function: Callable[[], object], repeats: int, device: str) -> float:
@@ -277,7 +278,7 @@ def section_compiled(arguments, inputs_by_sequence, mask_inputs) -> dict:
     import packfn
     from packfn import aligned_layout, block_causal_mask, safe_budget, unpad
 
-    from benchmarks.common import make_inputs
+    from scripts.benchmarks.common import make_inputs
 
     result = {}
     sizes = [
@@ -423,14 +424,9 @@ def section_model(arguments, inputs_by_sequence, mask_inputs) -> dict:
 
     from torch._dynamo.utils import counters
 
-    from packed_decoder import (
-        DecoderConfig,
-        PackedDecoder,
-        make_batches,
-        packed_loss,
-        upstream_available,
-        upstream_loss,
-    )
+    from examples.packed_decoder import DecoderConfig, PackedDecoder, packed_loss
+    from scripts.batches import make_batches
+    from scripts.upstream import upstream_available, upstream_loss
 
     # Batches from packfn's packer: the model's static budgets are the packer's (no worst-case padding).
     batches = make_batches(
@@ -465,14 +461,14 @@ def section_model(arguments, inputs_by_sequence, mask_inputs) -> dict:
         for batch in batches:
             if mark_steps:
                 torch.compiler.cudagraph_mark_step_begin()
-            _synchronize(arguments.device)
+            synchronize(arguments.device)
             begin = time.perf_counter()
             loss = loss_function(model, batch.input_ids, batch.document_ids, batch.labels)
             loss.backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             losses.append(loss.item())
-            _synchronize(arguments.device)
+            synchronize(arguments.device)
             seconds.append(time.perf_counter() - begin)
         return seconds, losses
 
@@ -511,7 +507,7 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    from benchmarks.common import make_inputs
+    from scripts.benchmarks.common import make_inputs
 
     started = time.perf_counter()
     inputs_by_sequence = {

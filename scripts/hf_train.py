@@ -54,11 +54,16 @@ is wrong for blocks under 16) and 128 on cuda.
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+if not __package__:  # run as a file: import from the repository root (scripts/__init__.py)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 import argparse
 import copy
 import itertools
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -71,9 +76,9 @@ import packfn
 import packfn.integrations.hf
 from packfn.data import PackedDataset
 
-from corpus import token_documents
-from main_job import CountingInductor
-from packed_decoder import document_lengths
+from scripts.batches import pieces
+from scripts.corpus import add_data_argument, documents_source, training_documents
+from scripts.measure import CountingInductor, graph_breaks, graph_breaks_since, synchronize
 
 __all__ = ["HFTrainReport", "Way", "flex_backward_error", "main", "make_steps", "parse_args", "run"]
 
@@ -103,21 +108,6 @@ class Step:
     num_documents: int
 
 
-def _documents(arguments: argparse.Namespace) -> list[list[int]]:
-    """Enough documents for ``--steps`` batches: the standard library's sources (BPE) or random tokens."""
-    wanted = 2 * arguments.steps * arguments.batch * arguments.sequence
-    if arguments.data == "stdlib":
-        return token_documents(arguments.vocab, wanted)
-    generator = torch.Generator().manual_seed(10_000 + arguments.seed)
-    documents, total = [], 0
-    for length in document_lengths(arguments.mean, arguments.seed):
-        documents.append(torch.randint(1, arguments.vocab, (length,), generator=generator).tolist())
-        total += length
-        if total >= wanted:
-            return documents
-    raise AssertionError("unreachable: the stream is endless")
-
-
 def make_steps(arguments: argparse.Namespace) -> tuple[list[Step], int, int]:
     """``arguments.steps`` batches from :class:`packfn.data.PackedDataset`, and the static ``(rows, columns)`` of way 3.
 
@@ -129,7 +119,7 @@ def make_steps(arguments: argparse.Namespace) -> tuple[list[Step], int, int]:
     into pieces (``split=True``), each piece a document of its own for every way.
     """
     dataset = PackedDataset(
-        _documents(arguments),
+        training_documents(arguments, 2 * arguments.steps * arguments.batch * arguments.sequence),
         batch=arguments.batch,
         sequence=arguments.sequence,
         max_documents=arguments.max_documents,
@@ -139,29 +129,20 @@ def make_steps(arguments: argparse.Namespace) -> tuple[list[Step], int, int]:
     packed_batches = list(itertools.islice(dataset, arguments.steps))
     if len(packed_batches) < arguments.steps:
         raise SystemExit(f"the documents fill only {len(packed_batches)} batches; ask for fewer --steps")
-    pieces_per_step = []
-    for item in packed_batches:
-        pieces = []
-        for tokens, lengths in zip(item["input_ids"], item["seq_lens"].tolist(), strict=True):
-            column = 0
-            for length in lengths:
-                if length > 0:
-                    pieces.append(tokens[column : column + length])
-                column += length
-        pieces_per_step.append(pieces)
-    rows = max(len(pieces) for pieces in pieces_per_step)
-    columns = max(len(piece) for pieces in pieces_per_step for piece in pieces)
+    pieces_per_step = [pieces(item["input_ids"], item["seq_lens"]) for item in packed_batches]
+    rows = max(len(step_pieces) for step_pieces in pieces_per_step)
+    columns = max(len(piece) for step_pieces in pieces_per_step for piece in step_pieces)
     device = torch.device(arguments.device)
     steps = []
-    for item, pieces in zip(packed_batches, pieces_per_step, strict=True):
+    for item, step_pieces in zip(packed_batches, pieces_per_step, strict=True):
         row_input_ids = torch.zeros(rows, columns, dtype=torch.int64)
         row_attention_mask = torch.ones(rows, columns, dtype=torch.int64)  # dummy rows: attention on
         row_labels = torch.full((rows, columns), IGNORE_INDEX, dtype=torch.int64)
-        for row, piece in enumerate(pieces):
+        for row, piece in enumerate(step_pieces):
             length = len(piece)
-            row_input_ids[row, :length] = piece
+            row_input_ids[row, :length] = torch.tensor(piece)
             row_attention_mask[row, length:] = 0
-            row_labels[row, :length] = piece
+            row_labels[row, :length] = row_input_ids[row, :length]
         steps.append(
             Step(
                 item["input_ids"].to(device),
@@ -170,7 +151,7 @@ def make_steps(arguments: argparse.Namespace) -> tuple[list[Step], int, int]:
                 row_attention_mask.to(device),
                 row_labels.to(device),
                 int(item["seq_lens"].sum()),
-                len(pieces),
+                len(step_pieces),
             )
         )
     return steps, rows, columns
@@ -211,15 +192,6 @@ def padded_loss(model, step: Step) -> torch.Tensor:
 # ------------------------------------------------------------ running and reporting
 
 
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _graph_breaks() -> dict[str, int]:
-    return dict(counters["graph_break"])
-
-
 def _short(error: BaseException) -> str:
     """The exception's type and the first line of its message (and of Dynamo's debug context, when it has one)."""
     lines = [line.strip() for line in str(error).strip().splitlines()]
@@ -257,8 +229,8 @@ class Way:
 
     def step(self, step: Step) -> None:
         """One step (forward, and backward and AdamW when training), timed, its graph breaks counted."""
-        before = _graph_breaks()
-        _synchronize(self.device)
+        before = graph_breaks()
+        synchronize(self.device)
         begin = time.perf_counter()
         try:
             loss = self._forward(step)
@@ -279,17 +251,13 @@ class Way:
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
         value = loss.item()  # the one host read of a step, after its work
-        _synchronize(self.device)
+        synchronize(self.device)
         self.seconds.append(time.perf_counter() - begin)
         self.losses.append(value)
         self.tokens.append(step.num_tokens)
-        after = _graph_breaks()
-        for reason, count in after.items():
-            if count > before.get(reason, 0):
-                self.graph_break_reasons[reason] = (
-                    self.graph_break_reasons.get(reason, 0) + count - before.get(reason, 0)
-                )
-                self.graph_breaks += count - before.get(reason, 0)
+        for reason, count in graph_breaks_since(before).items():
+            self.graph_break_reasons[reason] = self.graph_break_reasons.get(reason, 0) + count
+            self.graph_breaks += count
         print(
             f"step {len(self.seconds) - 1:>3}  {self.name:<26} loss {value:.6f}  {self.seconds[-1] * 1e3:9.1f} ms",
             flush=True,
@@ -395,11 +363,7 @@ class HFTrainReport:
         packed_area = steps * arguments.batch * arguments.sequence
         padded_area = steps * self.rows * self.columns
         steps_a_way = len(next(iter(self.ways.values())).seconds)
-        source = (
-            f"the standard library's sources, a BPE of {arguments.vocab} ids trained on them"
-            if arguments.data == "stdlib"
-            else f"random ids, exponential lengths of mean {arguments.mean}, seed {arguments.seed}"
-        )
+        source = documents_source(arguments)
 
         mode = (
             "training: forward, backward and AdamW (lr 1e-3) each step"
@@ -456,13 +420,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--attn", choices=("sdpa", "flex_attention"), default="sdpa", help="attn_implementation")
     parser.add_argument("--batch", type=int, default=4, help="packed rows per batch")
     parser.add_argument("--sequence", type=int, default=256, help="tokens per packed row")
-    parser.add_argument(
-        "--data",
-        choices=("stdlib", "exponential"),
-        default="stdlib",
-        help="documents: the standard library's sources, BPE-tokenized (vocabulary --vocab), or random ids of "
-        "exponential lengths (mean --mean)",
-    )
+    add_data_argument(parser)
     parser.add_argument("--mean", type=int, default=64, help="mean document length of --data exponential")
     parser.add_argument("--max-documents", type=int, default=16, help="the packer's cap of documents per row")
     parser.add_argument("--hidden", type=int, default=64)

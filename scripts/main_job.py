@@ -5,7 +5,7 @@ their top-level statements and tokenized by a BPE trained on the fly
 (``scripts/corpus.py``; nothing is downloaded). ``--data exponential``
 takes random tokens with exponential lengths (mean ``--mean``) instead.
 Each pipeline packs the same tokens with its own packer and trains the
-model (``scripts/packed_decoder.py``) from the same initial weights:
+model (``examples/packed_decoder.py``) from the same initial weights:
 
 1. **packfn compiled**: :class:`packfn.data.PackedDataset` packs the
    documents (best fit under the static budgets: at most ``--max-documents``
@@ -55,6 +55,12 @@ instead (GPU training; the upstream drivers keep the dense mask).
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+if not __package__:  # run as a file: import from the repository root (scripts/__init__.py)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 import argparse
 import copy
 import importlib.util
@@ -62,31 +68,19 @@ import itertools
 import statistics
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 from torch._dynamo.utils import counters
 
 from packfn import safe_budget
 
-from corpus import token_documents
-from packed_decoder import (
-    Batch,
-    DecoderConfig,
-    PackedDecoder,
-    add_model_arguments,
-    document_lengths,
-    lengths_from_boundaries,
-    loader_batches,
-    neat_packing,
-    neat_packing_batches,
-    packed_loss,
-    upstream_available,
-    upstream_loss_function,
-)
+from examples.packed_decoder import DecoderConfig, PackedDecoder, lengths_from_boundaries, packed_loss
+from scripts.batches import Batch, add_model_arguments, decoder_config, loader_batches, pieces
+from scripts.corpus import add_data_argument, documents_source, training_documents
+from scripts.measure import CountingInductor, graph_breaks, graph_breaks_since, synchronize
+from scripts.upstream import neat_packing, neat_packing_batches, upstream_available, upstream_loss_function
 
 __all__ = [
-    "CountingInductor",
     "Driver",
     "MainJobReport",
     "Pipelines",
@@ -109,42 +103,6 @@ _TITLES = {
     UPSTREAM_COMPILED: "upstream torch.compile",
     PACKFN: "packfn torch.compile(fullgraph=True)",
 }
-
-
-class CountingInductor:
-    """A ``torch.compile`` backend: Inductor, recording the compile id of every graph it is handed.
-
-    A compile id ``(frame_id, frame_compile_id)`` names a frame and how many
-    times it was compiled before: a graph with ``frame_compile_id > 0`` is a
-    recompile (a guard failed: a new shape or value). Frames created by
-    graph breaks (resume functions) have frame ids of their own.
-    """
-
-    def __init__(self) -> None:
-        self.compile_ids: list[tuple[int, int]] = []
-
-    def __call__(self, graph_module, example_inputs):
-        from torch._inductor.compile_fx import compile_fx
-
-        compile_id = torch._guards.CompileContext.current_compile_id()
-        if compile_id is not None and compile_id.frame_id is not None:
-            self.compile_ids.append((compile_id.frame_id, compile_id.frame_compile_id or 0))
-        return compile_fx(graph_module, example_inputs)
-
-    @property
-    def graphs(self) -> int:
-        """Graphs compiled (each frame compile that captured one)."""
-        return len(self.compile_ids)
-
-    @property
-    def frames(self) -> int:
-        """Distinct frames compiled."""
-        return len({frame for frame, _ in self.compile_ids})
-
-    @property
-    def recompiles(self) -> int:
-        """Graphs compiled for a frame that had been compiled before."""
-        return sum(1 for _, attempt in self.compile_ids if attempt > 0)
 
 
 @dataclass
@@ -461,13 +419,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--rounds", type=int, default=3, help="interleaved passes of the three drivers over the batches (timed)"
     )
     parser.add_argument("--attention", choices=("sdpa", "flex"), default="sdpa")
-    parser.add_argument(
-        "--data",
-        choices=("stdlib", "exponential"),
-        default="stdlib",
-        help="documents: the standard library's sources, BPE-tokenized (vocabulary --vocab), or random tokens with "
-        "exponential lengths of mean --mean",
-    )
+    add_data_argument(parser)
     parser.add_argument("--out", type=Path, default=Path("profiles"))
     parser.add_argument("--run-name", default=None, help="run folder under --out (default: decoder_<sizes>_<time>)")
     parser.add_argument("--no-upstream", action="store_true", help="skip both upstream drivers")
@@ -494,11 +446,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return arguments
 
 
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 class Trainer:
     """One optimizer (AdamW) step per call of :meth:`step`, timed, with a printed line."""
 
@@ -507,14 +454,14 @@ class Trainer:
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
 
     def step(self, batch: Batch) -> None:
-        _synchronize(self.device)
+        synchronize(self.device)
         begin = time.perf_counter()
         loss = self.loss_function(self.model, batch.input_ids, batch.document_ids, batch.labels)
         loss.backward()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         value = loss.item()  # the one host read of a step, after its work
-        _synchronize(self.device)
+        synchronize(self.device)
         driver = self.driver
         driver.seconds.append(time.perf_counter() - begin)
         driver.losses.append(value)
@@ -526,15 +473,8 @@ class Trainer:
         )
 
 
-def _graph_breaks() -> dict[str, int]:
-    return dict(counters["graph_break"])
-
-
 def _record_compiles(driver: Driver, backend: CountingInductor, before: dict[str, int]) -> None:
-    after = _graph_breaks()
-    driver.graph_break_reasons = {
-        reason: count - before.get(reason, 0) for reason, count in after.items() if count > before.get(reason, 0)
-    }
+    driver.graph_break_reasons = graph_breaks_since(before)
     driver.graph_breaks = sum(driver.graph_break_reasons.values())
     driver.recompiles, driver.frames, driver.graphs = backend.recompiles, backend.frames, backend.graphs
 
@@ -561,40 +501,11 @@ def time_upstream_helpers(batches: list[Batch], alignment: int, minimum_length: 
     return statistics.median(seconds[len(batches) :])
 
 
-def _documents(arguments: argparse.Namespace, tokens: int) -> tuple[list[list[int]], str]:
-    """At least ``tokens`` tokens of documents (fewer only when the source runs out), and what they are."""
-    if arguments.data == "stdlib":
-        source = f"the Python standard library's sources (BPE of {arguments.vocab} ids trained on them)"
-        return token_documents(arguments.vocab, tokens), source
-    generator = torch.Generator().manual_seed(10_000)
-    documents, total = [], 0
-    for length in document_lengths(arguments.mean, 0):
-        documents.append(torch.randint(0, arguments.vocab, (length,), generator=generator).tolist())
-        total += length
-        if total >= tokens:
-            return documents, f"random tokens, exponential lengths of mean {arguments.mean}"
-    raise AssertionError("unreachable: the stream is endless")
-
-
-def _pieces(batches: list[Batch]) -> list[list[int]]:
-    """The tokens of every piece in ``batches``: what a second packer gets, so both pack the same tokens."""
-    pieces = []
-    for batch in batches:
-        lengths = batch.seq_lens.tolist()
-        for row, tokens in enumerate(batch.input_ids.tolist()):
-            column = 0
-            for length in lengths[row]:
-                if length > 0:
-                    pieces.append(tokens[column : column + length])
-                column += length  # pieces sit back to back (no span padding in the main job)
-    return pieces
-
-
 def make_pipelines(arguments: argparse.Namespace, config: DecoderConfig, upstream: bool) -> Pipelines:
     """packfn's first ``--steps`` full batches of the documents, and upstream's neat-packing batches of their pieces."""
     steps, batch, sequence = arguments.steps, arguments.batch, config.sequence
     wanted = steps * batch * sequence
-    documents, source = _documents(arguments, 2 * wanted)
+    documents = training_documents(arguments, 2 * wanted)
     kept = sum(1 for _ in itertools.takewhile(lambda total: total < wanted, itertools.accumulate(map(len, documents))))
     while True:  # the shortest prefix of the documents that fills --steps batches
         begin = time.perf_counter()
@@ -617,34 +528,20 @@ def make_pipelines(arguments: argparse.Namespace, config: DecoderConfig, upstrea
     packfn_batches = batches[:steps]
     upstream_batches, upstream_s = [], 0.0
     if upstream:
-        pieces = _pieces(packfn_batches)
+        # The same tokens: every piece of packfn's batches (back to back in their rows: no span padding here).
+        same = [piece for packed in packfn_batches for piece in pieces(packed.input_ids, packed.seq_lens)]
         neat_packing()  # imported before the clock starts (it imports HF datasets)
         begin = time.perf_counter()
-        upstream_batches = neat_packing_batches(pieces, batch=batch, sequence=sequence, device=arguments.device)
+        upstream_batches = neat_packing_batches(same, batch=batch, sequence=sequence, device=arguments.device)
         upstream_s = time.perf_counter() - begin
     return Pipelines(
         documents=len(used),
         document_tokens=[len(document) for document in used],
-        source=source,
+        source=documents_source(arguments),
         packfn=packfn_batches,
         upstream=upstream_batches,
         packfn_s=packfn_s * steps / max(1, len(batches)),
         upstream_s=upstream_s,
-    )
-
-
-def _config(arguments: argparse.Namespace) -> DecoderConfig:
-    sequence, alignment = arguments.sequence, arguments.alignment
-    return DecoderConfig(
-        sequence=sequence,
-        max_documents=arguments.max_documents,
-        budget=arguments.budget if arguments.budget is not None else -(-sequence // alignment) * alignment,
-        vocab=arguments.vocab,
-        hidden=arguments.hidden,
-        layers=arguments.layers,
-        heads=arguments.heads,
-        alignment=alignment,
-        attention=arguments.attention,
     )
 
 
@@ -680,7 +577,10 @@ def run(arguments: argparse.Namespace) -> MainJobReport:
         raise SystemExit("--device cuda requested but CUDA is not available")
     if arguments.attention == "flex" and device.type == "cpu":
         raise SystemExit("--attention flex needs a GPU for training: FlexAttention has no CPU backward in torch 2.13")
-    config = _config(arguments)
+    budget = arguments.budget
+    if budget is None:  # the packer's default: the row length rounded up to the alignment
+        budget = -(-arguments.sequence // arguments.alignment) * arguments.alignment
+    config = decoder_config(arguments, budget)
     if arguments.no_upstream:
         upstream_status = "skipped (--no-upstream)"
     elif not upstream_available() or importlib.util.find_spec("datasets") is None:
@@ -716,7 +616,7 @@ def run(arguments: argparse.Namespace) -> MainJobReport:
         f"{time.strftime('%Y%m%d-%H%M%S')}"
     )
     run_dir = arguments.out / run_name
-    before = _graph_breaks()
+    before = graph_breaks()
     _profile_packfn(trainers[PACKFN], pipelines.packfn, run_dir, device)
     _record_compiles(drivers[PACKFN], backend, before)
 
@@ -734,7 +634,7 @@ def run(arguments: argparse.Namespace) -> MainJobReport:
         trainers[UPSTREAM_COMPILED] = Trainer(
             copy.deepcopy(model), upstream_compiled, device, drivers[UPSTREAM_COMPILED]
         )
-        before = _graph_breaks()
+        before = graph_breaks()
         # Compiled with the same Inductor settings as packfn's graph (kernel profiling hooks included).
         with torch._inductor.config.patch(KERNEL_PROFILE):
             for batch in pipelines.upstream:

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import torch
 from torch.nn.attention.flex_attention import create_block_mask
 
 import packfn
 import packfn.nemo_automodel as nemo
 
-from benchmarks.common import FLOOR, Case, Inputs, floor_variant
+from scripts.benchmarks.common import FLOOR, Case, Inputs, compiled_variant, floor_variant
 
 try:
     from nemo_automodel.components.datasets import packed_seq as upstream
@@ -23,19 +22,13 @@ DENSE_LIMIT = 8192
 """Above this sequence a dense ``[batch, sequence, sequence]`` mask does not fit (8 GiB of bool at 32768)."""
 
 
-def _compiled(function, *args):
-    compiled = torch.compile(function, fullgraph=True)
-    compiled(*args)  # warm: compile outside the timed region
-    return lambda: compiled(*args)
-
-
 def _block_causal(inputs: Inputs) -> list[Case]:
     mask = inputs.document_ids
     variants = {}
     if _indexed_mask_to_4d_block_causal is not None:
         variants["upstream"] = lambda: _indexed_mask_to_4d_block_causal(mask)
     variants["packfn eager"] = lambda: packfn.block_causal_mask(mask)
-    variants["packfn compiled"] = _compiled(packfn.block_causal_mask, mask)
+    variants["packfn compiled"] = compiled_variant(packfn.block_causal_mask, mask)
     baseline = "upstream" if "upstream" in variants else "packfn eager"
     return [Case("attention", "block_causal_mask", inputs.sequence, variants, baseline)]
 
@@ -51,7 +44,7 @@ def _flash_varlen(inputs: Inputs, notes: dict[str, str]) -> list[Case]:
         variants["upstream"] = lambda: upstream.to_flash_attention_kwargs(upstream.packed_seq_params_from_doc_ids(mask))
     variants["packfn drop-in eager"] = lambda: nemo.to_flash_attention_kwargs(nemo.packed_seq_params_from_doc_ids(mask))
     variants["packfn static eager"] = lambda: static(mask)
-    variants["packfn static compiled"] = _compiled(static, mask)
+    variants["packfn static compiled"] = compiled_variant(static, mask)
     variants.update(floor_variant(mask))
     baseline = "upstream" if "upstream" in variants else "packfn drop-in eager"
     return [Case("attention", "packed_seq_params_from_doc_ids", inputs.sequence, variants, baseline, notes, FLOOR)]
@@ -73,9 +66,9 @@ def _block_mask(inputs: Inputs) -> list[Case]:
             f"eager create_block_mask skipped above sequence {DENSE_LIMIT}: it materializes "
             "[batch, 1, sequence, sequence] masks and int64 index tensors (tens of GiB at 32768)"
         )
-    variants["create_block_mask compiled"] = _compiled(reference, mask)
+    variants["create_block_mask compiled"] = compiled_variant(reference, mask)
     variants["packfn eager"] = lambda: packfn.document_block_mask(mask)
-    variants["packfn compiled"] = _compiled(packfn.document_block_mask, mask)
+    variants["packfn compiled"] = compiled_variant(packfn.document_block_mask, mask)
     baseline = "create_block_mask" if "create_block_mask" in variants else "create_block_mask compiled"
     return [Case("attention", "document_block_mask", sequence, variants, baseline, notes)]
 

@@ -16,9 +16,11 @@ __all__ = [
     "DataDependentOps",
     "Inputs",
     "aten_ops_of",
+    "compiled_variant",
     "count_data_dependent",
     "floor_variant",
     "make_inputs",
+    "round_up",
 ]
 
 
@@ -126,6 +128,21 @@ def aten_ops_of(function: Callable[[], object]) -> dict[str, int]:
                 name = node.target.overloadpacket.__name__
                 names[name] = names.get(name, 0) + 1
     return names
+
+
+def compiled_variant(function: Callable[..., object], *args, dynamic: bool | None = None) -> Callable[[], object]:
+    """A zero-argument call of ``torch.compile(function, fullgraph=True, dynamic=dynamic)`` on ``args``.
+
+    It compiles here, before it is returned: outside the timed calls.
+    """
+    compiled = torch.compile(function, fullgraph=True, dynamic=dynamic)
+    compiled(*args)
+    return lambda: compiled(*args)
+
+
+def round_up(value, multiple: int):
+    """``value`` (an int or an integer tensor) rounded up to a multiple of ``multiple``."""
+    return -(-value // multiple) * multiple
 
 
 FLOOR = "floor: (mask > 0).sum()"

@@ -21,7 +21,7 @@ from packfn.integrations import megatron as packfn_megatron
 from packfn.integrations import torchtune as packfn_torchtune
 from packfn.integrations.hf import PackedCollator
 
-from benchmarks.common import FLOOR, Case, Inputs, count_data_dependent, floor_variant
+from scripts.benchmarks.common import FLOOR, Case, Inputs, compiled_variant, count_data_dependent, floor_variant
 
 
 def _optional(module: str):
@@ -56,12 +56,6 @@ torchtune_collate = _optional("torchtune.data")
 DENSE_LIMIT = 4096
 """Above this sequence the anchors' dense masks (float ``[S, S]`` per row, bool ``[B, S, S]``) take seconds or GiB."""
 EOD = 0
-
-
-def _compiled(function, *args):
-    compiled = torch.compile(function, fullgraph=True, dynamic=False)
-    compiled(*args)  # warm: compile outside the timed region
-    return lambda: compiled(*args)
 
 
 def _case(name: str, inputs: Inputs, variants: dict, baseline: str, notes: dict | None = None, floor: bool = True):
@@ -123,7 +117,7 @@ def _position_id_cases(inputs: Inputs) -> list[Case]:
         )
     conversion["torchtitan cumsum(positions == 0) - 1"] = lambda: torch.cumsum((positions == 0).int(), dim=1) - 1
     conversion["packfn eager"] = lambda: ours(positions)
-    conversion["packfn compiled"] = _compiled(ours, positions)
+    conversion["packfn compiled"] = compiled_variant(ours, positions, dynamic=False)
     cases = [_case("position ids to document ids", inputs, conversion, "transformers find_packed_sequence_indices")]
     metadata = {}
     if titan is not None:
@@ -131,7 +125,7 @@ def _position_id_cases(inputs: Inputs) -> list[Case]:
             positions
         )
     metadata["packfn eager"] = lambda: varlen(positions)
-    metadata["packfn compiled"] = _compiled(varlen, positions)
+    metadata["packfn compiled"] = compiled_variant(varlen, positions, dynamic=False)
     cases.append(
         _case("position ids to varlen metadata", inputs, metadata, "torchtitan create_varlen_metadata_for_document")
     )
@@ -173,7 +167,7 @@ def _megatron_cases(inputs: Inputs) -> list[Case]:
         variants["packfn drop-in (per row)"] = per_row(packfn_megatron.get_ltor_masks_and_position_ids, dense)
         if not dense:
             variants["packfn eager (batched)"] = lambda: batched(tokens)
-            variants["packfn compiled (batched)"] = _compiled(batched, tokens)
+            variants["packfn compiled (batched)"] = compiled_variant(batched, tokens, dynamic=False)
         name = "EOD ltor masks and position ids" + (", dense mask" if dense else "")
         cases.append(_case(name, inputs, variants, "megatron-core ltor (per row)"))
     return cases
@@ -193,7 +187,7 @@ def _torchtune_cases(inputs: Inputs) -> list[Case]:
             torchtune_attention._get_document_ids_from_seq_lens(seq_lens)
         )
     variants["packfn eager"] = lambda: ours(table)
-    variants["packfn compiled"] = _compiled(ours, table)
+    variants["packfn compiled"] = compiled_variant(ours, table, dynamic=False)
     cases = [_case("seq_lens to document ids", inputs, variants, "torchtune _get_document_ids_from_seq_lens")]
     if inputs.sequence <= DENSE_LIMIT:
         zeros = torch.zeros(inputs.sequence, dtype=torch.int64)
@@ -212,7 +206,7 @@ def _position_ids_case(inputs: Inputs) -> Case:
     positions = packfn.packed_position_ids(mask)
     variants = {
         "packfn eager": lambda: packfn.packed_position_ids(mask),
-        "packfn compiled": _compiled(packfn.packed_position_ids, mask),
+        "packfn compiled": compiled_variant(packfn.packed_position_ids, mask, dynamic=False),
         "position ids to document ids by cumsum": lambda: torch.cumsum((positions == 0).int(), dim=1),
     }
     return _case("packed_position_ids", inputs, variants, FLOOR)

@@ -7,7 +7,7 @@ import torch
 from packfn import PackedSequenceLayout, aligned_layout, safe_budget
 from packfn.nemo_automodel import packed_layout
 
-from benchmarks.common import Case, Inputs
+from scripts.benchmarks.common import Case, Inputs, compiled_variant
 
 try:
     from nemo_automodel.components.models.deepseek_v41 import packing as upstream
@@ -15,12 +15,6 @@ except ImportError:  # the benchmark still measures packfn alone
     upstream = None
 
 ALIGNMENT = 128
-
-
-def _compiled(function, *args):
-    compiled = torch.compile(function, fullgraph=True, dynamic=False)
-    compiled(*args)  # warm: compile outside the timed region
-    return lambda: compiled(*args)
 
 
 def _pack(layout: PackedSequenceLayout, values: torch.Tensor) -> torch.Tensor:
@@ -47,7 +41,7 @@ def cases(inputs: Inputs) -> list[Case]:
 
     variants = {
         "packfn drop-in eager": lambda: packed_layout(seq_lens, **dropin),
-        "packfn static compiled": _compiled(static_layout, seq_lens),
+        "packfn static compiled": compiled_variant(static_layout, seq_lens, dynamic=False),
     }
     if upstream:
         variants = {"upstream": lambda: upstream.packed_layout(seq_lens, **dropin), **variants}
@@ -64,7 +58,7 @@ def cases(inputs: Inputs) -> list[Case]:
 
     reference = upstream.PackedSequenceLayout(*(getattr(layout, name) for name in _FIELDS)) if upstream else None
     for name, step, argument in (("pack", _pack, values), ("restore", _restore, aligned)):
-        compiled = _compiled(step, layout, argument)
+        compiled = compiled_variant(step, layout, argument, dynamic=False)
         variants = {
             "packfn eager": lambda step=step, argument=argument: step(layout, argument),
             "packfn compiled": compiled,

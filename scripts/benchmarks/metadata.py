@@ -2,24 +2,16 @@
 
 from __future__ import annotations
 
-import torch
-
 import packfn
 import packfn.nemo_automodel
 
-from benchmarks.common import FLOOR, Case, Inputs, floor_variant
+from scripts.benchmarks.common import FLOOR, Case, Inputs, compiled_variant, floor_variant
 
 try:
     from nemo_automodel.components.datasets import packing as upstream
     from nemo_automodel.components.models.common import packing as upstream_models
 except ImportError:  # the benchmark still measures packfn alone
     upstream = upstream_models = None
-
-
-def _compiled(function, *args):
-    compiled = torch.compile(function, fullgraph=True)
-    compiled(*args)  # warm: compile outside the timed region
-    return lambda: compiled(*args)
 
 
 def cases(inputs: Inputs) -> list[Case]:
@@ -52,23 +44,23 @@ def cases(inputs: Inputs) -> list[Case]:
             upstream and (lambda: upstream.get_unpad_data(mask)),
             lambda: packfn.nemo_automodel.get_unpad_data(mask),
             lambda: static_flat(mask),
-            _compiled(static_flat, mask),
-            _compiled(static_flat_default, mask),
+            compiled_variant(static_flat, mask),
+            compiled_variant(static_flat_default, mask),
         ),
         (
             "build_packed_sequence_metadata",
             upstream and (lambda: upstream.build_packed_sequence_metadata(mask)),
             lambda: packfn.nemo_automodel.build_packed_sequence_metadata(mask),
             lambda: static_batch(mask),
-            _compiled(static_batch, mask),
-            _compiled(static_batch_default, mask),
+            compiled_variant(static_batch, mask),
+            compiled_variant(static_batch_default, mask),
         ),
         (
             "get_seqlens_in_batch",
             upstream and (lambda: upstream.get_seqlens_in_batch(mask)),
             lambda: packfn.nemo_automodel.get_seqlens_in_batch(mask),
             lambda: static_flat(mask),
-            _compiled(static_flat, mask),
+            compiled_variant(static_flat, mask),
             None,
         ),
         (
@@ -76,7 +68,7 @@ def cases(inputs: Inputs) -> list[Case]:
             upstream_models and (lambda: upstream_models.flatten_packed_sequence_metadata(indices, bounds, **shape)),
             lambda: packfn.nemo_automodel.flatten_packed_sequence_metadata(indices, bounds, **shape),
             lambda: static_flatten(indices, narrow_bounds),
-            _compiled(static_flatten, indices, narrow_bounds),
+            compiled_variant(static_flatten, indices, narrow_bounds),
             None,
         ),
     ]

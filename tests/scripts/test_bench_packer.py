@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-import bench_packer
+from scripts import bench_packer
 
 
 def test_bench_packer_reports_every_target_and_writes_json(tmp_path, capsys):

@@ -1,10 +1,12 @@
 """End-to-end runs of the scripts at tiny sizes: the main job (and its TensorBoard view), export, bench.
 
-Each script is called in-process through its ``main(argv)``; timings are never checked.
+Each script is called in-process through its ``main(argv)`` (imported from the repository root, as
+``scripts.<name>``), and every entry script also runs as a file from another folder; timings are never checked.
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 import platform
 import socket
@@ -18,10 +20,16 @@ from pathlib import Path
 
 import pytest
 
-import export as export_script
-import main_job
+from scripts import export, main_job
 
 REPO = Path(__file__).resolve().parents[2]
+SCRIPTS = REPO / "scripts"
+# The files a user runs (``python scripts/<name>.py``): the modules of scripts/ with a __main__ block.
+ENTRY_SCRIPTS = sorted(path.stem for path in SCRIPTS.glob("*.py") if 'if __name__ == "__main__":' in path.read_text())
+BOOTSTRAP = """
+if not __package__:  # run as a file: import from the repository root (scripts/__init__.py)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+"""
 
 TINY_MODEL = ["--batch", "2", "--sequence", "64", "--mean", "16", "--hidden", "32", "--heads", "2", "--layers", "1"]
 PROFILE_INSTALL = "pip install -e '.[profile]'"
@@ -86,19 +94,45 @@ def test_main_job_reports_three_drivers_on_equal_losses(profiled):
     assert float(parity.rsplit("|diff| ", 1)[1].rstrip(")")) < 1e-4
 
 
-def test_main_job_script_runs_as_a_file_and_needs_no_stdlib_shadowing_guard():
-    """``python scripts/main_job.py`` puts ``scripts/`` first on sys.path: no file there may shadow the stdlib."""
-    names = {path.stem for path in (REPO / "scripts").glob("*.py")}
+def test_no_file_in_scripts_shadows_the_standard_library():
+    """``python scripts/<name>.py`` puts ``scripts/`` first on sys.path: no file there may shadow the stdlib."""
+    names = {path.stem for path in SCRIPTS.glob("*.py")}
     assert not names & set(sys.stdlib_module_names), names & set(sys.stdlib_module_names)
+
+
+def test_every_entry_script_starts_with_the_one_bootstrap():
+    """Each entry script puts the repository root on sys.path with the same lines, before any project import."""
+    assert set(ENTRY_SCRIPTS) == {"bench", "bench_cp", "bench_packer", "export", "gpu_check", "hf_train", "main_job"}
+    for name in ENTRY_SCRIPTS:
+        source = (SCRIPTS / f"{name}.py").read_text()
+        assert BOOTSTRAP in source, f"scripts/{name}.py lacks the bootstrap"
+        head = source[: source.index(BOOTSTRAP)]
+        imports = [line for line in head.splitlines() if line.startswith(("import ", "from "))]
+        assert imports == ["from __future__ import annotations", "import sys", "from pathlib import Path"], name
+
+
+def test_every_module_imports_from_the_repository_root():
+    """No module of scripts/ imports a sibling as a top-level name (only ``python scripts/x.py`` would find it)."""
+    names = [
+        ".".join(path.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__")
+        for path in SCRIPTS.rglob("*.py")
+    ]
+    for name in sorted(names):
+        importlib.import_module(name)
+
+
+@pytest.mark.parametrize("name", ENTRY_SCRIPTS)
+def test_entry_script_runs_as_a_file_from_another_folder(name, tmp_path):
     result = subprocess.run(
-        [sys.executable, str(REPO / "scripts" / "main_job.py"), "--help"],
+        [sys.executable, str(SCRIPTS / f"{name}.py"), "--help"],
         capture_output=True,
         text=True,
         timeout=300,
+        cwd=tmp_path,
         check=False,
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "--upstream-rows" in result.stdout
+    assert result.stdout.startswith("usage: "), result.stdout[:500]
 
 
 def _free_port() -> int:
@@ -168,9 +202,7 @@ def test_tensorboard_profiler_plugin_serves_the_run(profiled, tmp_path):
 
 
 def test_export_round_trip_through_decompositions_and_aoti_package(tmp_path):
-    report = export_script.run(
-        export_script.parse_args([*TINY_MODEL, "--vocab", "64", "--batches", "2", "--out", str(tmp_path)])
-    )
+    report = export.run(export.parse_args([*TINY_MODEL, "--vocab", "64", "--batches", "2", "--out", str(tmp_path)]))
     assert report.ok
     assert {"packfn.batch_metadata.default", "packfn.aligned_layout.default"} <= set(report.exported_packfn_nodes)
     assert not report.decomposed_packfn_nodes
@@ -183,11 +215,11 @@ _TINY_BENCH = ["--sequences", "64", "--means", "16", "--repeats", "1", "--sample
 
 
 def test_bench_smoke_writes_rows_of_the_documented_shape(tmp_path):
-    # As a user runs it: a file, from another folder (so nothing but scripts/ is on its path).
+    # As a user runs it: a file, from another folder (its bootstrap puts the repository root on its path).
     json_path, plot_path = tmp_path / "b.json", tmp_path / "b.png"
     argv = [*_TINY_BENCH, "--families", "metadata", "layout"]
     result = subprocess.run(
-        [sys.executable, str(REPO / "scripts" / "bench.py"), *argv, "--json", str(json_path), "--plot", str(plot_path)],
+        [sys.executable, str(SCRIPTS / "bench.py"), *argv, "--json", str(json_path), "--plot", str(plot_path)],
         capture_output=True,
         text=True,
         timeout=600,
@@ -225,7 +257,7 @@ class _FakeLibc:
 
 
 def test_bench_keep_freed_memory_sets_glibc_thresholds_and_records_them(tmp_path, monkeypatch):
-    import bench
+    from scripts import bench
 
     libc = _FakeLibc()
     monkeypatch.setattr(bench.ctypes, "CDLL", lambda name: libc if name == "libc.so.6" else None)
@@ -238,7 +270,7 @@ def test_bench_keep_freed_memory_sets_glibc_thresholds_and_records_them(tmp_path
 
 
 def test_bench_keep_freed_memory_says_when_it_cannot(monkeypatch, tmp_path, capsys):
-    import bench
+    from scripts import bench
 
     monkeypatch.setattr(bench.ctypes, "CDLL", lambda name: _FakeLibc(accept=0))
     with pytest.raises(RuntimeError, match="mallopt refused"):
@@ -264,7 +296,7 @@ def test_bench_keep_freed_memory_says_when_it_cannot(monkeypatch, tmp_path, caps
 # Touches a fresh 8 MiB malloc block twice and prints the page faults of the second time.
 _REUSE_FAULTS = """
 import ctypes, resource, sys
-from bench import keep_freed_memory
+from scripts.bench import keep_freed_memory
 if sys.argv[1] == "keep":
     keep_freed_memory()
 libc = ctypes.CDLL("libc.so.6")
@@ -292,8 +324,8 @@ def test_bench_keep_freed_memory_reuses_freed_blocks_without_page_faults():
 
     def faults(mode: str) -> int:
         command = [sys.executable, "-c", _REUSE_FAULTS, mode]
-        # From scripts/, which Python puts first on sys.path for ``-c``, as pytest's pythonpath does here.
-        run = subprocess.run(command, cwd=REPO / "scripts", check=True, timeout=120, capture_output=True, text=True)
+        # From the repository root, which Python puts first on sys.path for ``-c``.
+        run = subprocess.run(command, cwd=REPO, check=True, timeout=120, capture_output=True, text=True)
         return int(run.stdout.split()[-1])
 
     assert faults("keep") < 64
@@ -304,8 +336,8 @@ def test_bench_pack_bound_copies_the_packed_output():
     """``clone of the output`` copies what ``pack`` writes (the longer aligned rows), not its input."""
     import torch
 
-    from benchmarks import layout
-    from benchmarks.common import make_inputs
+    from scripts.benchmarks import layout
+    from scripts.benchmarks.common import make_inputs
 
     inputs = make_inputs(64, 16, batch=2, hidden=8)
     (bound,) = [case for case in layout.cases(inputs) if case.name == "pack vs clone"]
@@ -316,7 +348,7 @@ def test_bench_pack_bound_copies_the_packed_output():
 
 def test_gpu_check_walks_its_sections_on_the_cpu(tmp_path):
     """``scripts/gpu_check.py --device cpu``: the device check cannot rot between sessions lent a GPU."""
-    import gpu_check
+    from scripts import gpu_check
 
     json_path = tmp_path / "gpu_check.json"
     sizes = [
@@ -348,7 +380,7 @@ def test_gpu_check_walks_its_sections_on_the_cpu(tmp_path):
 def test_gpu_check_without_cuda_says_so(capsys, monkeypatch, tmp_path):
     import torch
 
-    import gpu_check
+    from scripts import gpu_check
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert gpu_check.main(["--json", str(tmp_path / "unused.json")]) == 2
