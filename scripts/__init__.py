@@ -1,7 +1,7 @@
 """The scripts that train, profile, benchmark, export and check packfn, and the modules they share.
 
 Entry scripts (each runs as ``python scripts/<name>.py`` from any folder, and
-has a ``main(argv)`` the tests call): ``main_job.py`` (the example model
+has a ``main(argv)``): ``main_job.py`` (the example model
 trained by packfn's and NeMo AutoModel's pipelines, profiled), ``hf_train.py``
 (a transformers Llama fed three ways), ``bench.py`` (the ops against
 upstream, by family in ``benchmarks/``), ``bench_cp.py`` (context-parallel
@@ -15,9 +15,9 @@ The example model itself is ``examples/packed_decoder.py``.
 
 Every module imports the others from the repository root
 (``from scripts.corpus import ...``, ``from examples.packed_decoder import
-...``), as the tests do. Run as a file, a script finds only ``scripts/`` on
-``sys.path`` (Python puts the script's own folder there), so each entry
-script starts with the same two lines::
+...``), as the tests do. Run as a file, a script would find only
+``scripts/`` of this repository on ``sys.path`` (Python puts the script's
+own folder there), so each entry script starts with the same two lines::
 
     if not __package__:  # run as a file: import from the repository root (scripts/__init__.py)
         sys.path.insert(0, str(Path(__file__).resolve().parents[1]))

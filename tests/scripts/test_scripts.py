@@ -95,7 +95,7 @@ def test_main_job_reports_three_drivers_on_equal_losses(profiled):
 
 
 def test_no_file_in_scripts_shadows_the_standard_library():
-    """``python scripts/<name>.py`` puts ``scripts/`` first on sys.path: no file there may shadow the stdlib."""
+    """``python scripts/<name>.py`` puts ``scripts/`` on sys.path (before the stdlib): no file there may shadow it."""
     names = {path.stem for path in SCRIPTS.glob("*.py")}
     assert not names & set(sys.stdlib_module_names), names & set(sys.stdlib_module_names)
 
