@@ -19,7 +19,7 @@ from trl.trainer import sft_trainer as trl_sft
 import packfn
 from packfn.integrations.hf import PackedCollator
 
-from benchmarks.formats import titan  # torchtitan's attention module, imported without triton
+from scripts.benchmarks.formats import titan  # torchtitan's attention module, imported without triton
 from tests.assertions import assert_same
 from tests.strategies_formats import PackedRows, packed_rows
 
