@@ -1,14 +1,34 @@
 """Compression-aligned packed layouts of a fixed row budget, with no host sync.
 
-The layout format, with a worked example, is described once, in
-:mod:`packfn._ops.layout`.
+The layout format (every docstring here refers to it): a row of
+the input holds documents back to back; ``seq_lens[b, k]`` is the real
+length ``n`` of the document in slot ``k + 1`` of row ``b`` and
+``seq_lens_padded[b, k]`` its physical span ``s >= n`` (real tokens first,
+then ``s - n`` columns of padding that belong to it). ``0`` marks an
+absent document: it keeps its slot id but has no tokens and no span.
+The aligned row writes each document's ``n`` real tokens at the next start
+that is a multiple of ``alignment``. Example, ``alignment=4``, one row of
+``sequence_length=9``::
+
+    seq_lens        = [[3, 0, 5]]           # slot 2 is absent
+    seq_lens_padded = [[4, 0, 5]]           # document 1 has one padding column
+    input columns:     0 1 2 (3) 4 5 6 7 8
+    aligned row:       0 1 2 . 4 5 6 7 8 . . .       (length 12)
+    source_indices  = [[0, 1, 2, -1, 4, 5, 6, 7, 8, -1, -1, -1]]
+    position_ids    = [[0, 1, 2, 0, 0, 1, 2, 3, 4, 0, 0, 0]]
+    sequence_ids    = [[1, 1, 1, 0, 3, 3, 3, 3, 3, 0, 0, 0]]
+    input_positions = [[0, 1, 2, -1, 4, 5, 6, 7, 8]]
+
+``source_indices`` and ``input_positions`` are each other's inverse on real
+tokens: ``source_indices[b, input_positions[b, i]] == i`` wherever
+``input_positions[b, i] >= 0``.
 
 :func:`aligned_layout` takes the aligned row length from the caller (the
 pack budget), so every output shape follows from input shapes and static
 arguments, nothing syncs with the host, and a compiled graph never
 specializes on the lengths' contents; :func:`safe_budget` is the budget
-that fits any row. The NeMo AutoModel drop-in ``packed_layout``, whose row
-length depends on the data, is in :mod:`packfn.nemo_automodel`.
+that fits any row. NeMo AutoModel's ``packed_layout``, whose row length
+depends on the data, is reproduced in :mod:`packfn.nemo_automodel`.
 
 :meth:`PackedSequenceLayout.pack` and :meth:`PackedSequenceLayout.restore`
 move activations into and out of the aligned rows with gathers; each is the
@@ -200,7 +220,7 @@ def aligned_layout(
     Returns:
         :class:`PackedSequenceLayout` with ``[batch, budget]`` aligned
         fields and ``[batch, sequence_length]`` ``input_positions``, on
-        ``seq_lens.device``. For the example of :mod:`packfn._ops.layout`
+        ``seq_lens.device``. For the example above
         (``sequence_length=9, alignment=4, budget=12``) the fields shown
         there.
 

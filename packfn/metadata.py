@@ -1,11 +1,22 @@
 """Document-id masks to varlen metadata, with fixed capacity and no host sync.
 
-The packing format is described once, in :mod:`packfn._ops.metadata`.
+The packing format (every docstring in packfn refers to it; docs/format.md says more): ``document_ids`` is
+``[batch, sequence]``, integer or bool. ``0`` is padding; a positive value is
+the 1-based id of the document the token belongs to, local to its row. Ids
+never decrease along a row (padding may sit anywhere, even inside a
+document), and gaps in the ids are allowed. A bool mask, or ids that are all
+``1``, has one document per non-empty row. Example, ``batch=2, sequence=6``::
+
+    document_ids = [[1, 1, 2, 2, 2, 0],      # documents of 2 and 3 tokens
+                      [1, 1, 1, 1, 0, 0]]      # one document of 4 tokens
+    flat token stream:   positions 0 1 2 3 4 | 6 7 8 9   (9 tokens)
+    cu_seqlens (flat):   [0, 2, 5, 9]
+    cu_seqlens (batch):  [[0, 2, 5], [0, 4, -1]]
 
 Every output shape follows from input shapes and static arguments, nothing
 syncs with the host, and a compiled graph never specializes on the mask's
-contents. The NeMo AutoModel drop-ins built on these (exact, data-sized
-outputs) live in :mod:`packfn.nemo_automodel`.
+contents. NeMo AutoModel's functions, reproduced exactly on top of these
+(data-sized outputs), live in :mod:`packfn.nemo_automodel`.
 """
 
 from __future__ import annotations
@@ -87,7 +98,7 @@ def varlen_metadata(document_ids: torch.Tensor, *, max_documents: int | None = N
 
     Args:
         document_ids: ``[batch, sequence]`` integer or bool document ids
-            (see the packing format in :mod:`packfn._ops.metadata`).
+            (the packing format above).
         max_documents: ``D``, the most documents any row holds. The default,
             ``sequence``, is always safe but makes varlen kernels visit
             ``batch * sequence`` mostly empty documents: pass your packer's

@@ -1,27 +1,6 @@
 """Ops that build compression-aligned packed layouts and move tokens in and out of them.
 
-Layout format (used by every docstring in :mod:`packfn.layout`). A row of
-the input holds documents back to back; ``seq_lens[b, k]`` is the real
-length ``n`` of the document in slot ``k + 1`` of row ``b`` and
-``seq_lens_padded[b, k]`` its physical span ``s >= n`` (real tokens first,
-then ``s - n`` columns of padding that belong to it). ``0`` marks an
-absent document: it keeps its slot id but has no tokens and no span.
-The aligned row writes each document's ``n`` real tokens at the next start
-that is a multiple of ``alignment``. Example, ``alignment=4``, one row of
-``sequence_length=9``::
-
-    seq_lens        = [[3, 0, 5]]           # slot 2 is absent
-    seq_lens_padded = [[4, 0, 5]]           # document 1 has one padding column
-    input columns:     0 1 2 (3) 4 5 6 7 8
-    aligned row:       0 1 2 . 4 5 6 7 8 . . .       (length 12)
-    source_indices  = [[0, 1, 2, -1, 4, 5, 6, 7, 8, -1, -1, -1]]
-    position_ids    = [[0, 1, 2, 0, 0, 1, 2, 3, 4, 0, 0, 0]]
-    sequence_ids    = [[1, 1, 1, 0, 3, 3, 3, 3, 3, 0, 0, 0]]
-    input_positions = [[0, 1, 2, -1, 4, 5, 6, 7, 8]]
-
-``source_indices`` and ``input_positions`` are each other's inverse on real
-tokens: ``source_indices[b, input_positions[b, i]] == i`` wherever
-``input_positions[b, i] >= 0``.
+The layout format is defined, with a worked example, in :mod:`packfn.layout`.
 """
 
 from __future__ import annotations

@@ -1,17 +1,6 @@
 """Ops that parse packing masks into varlen metadata (shape-static).
 
-Packing format (used by every docstring in packfn): ``document_ids`` is
-``[batch, sequence]``, integer or bool. ``0`` is padding; a positive value is
-the 1-based id of the document the token belongs to, local to its row. Ids
-never decrease along a row (padding may sit anywhere, even inside a
-document), and gaps in the ids are allowed. A bool mask, or ids that are all
-``1``, has one document per non-empty row. Example, ``batch=2, sequence=6``::
-
-    document_ids = [[1, 1, 2, 2, 2, 0],      # documents of 2 and 3 tokens
-                      [1, 1, 1, 1, 0, 0]]      # one document of 4 tokens
-    flat token stream:   positions 0 1 2 3 4 | 6 7 8 9   (9 tokens)
-    cu_seqlens (flat):   [0, 2, 5, 9]
-    cu_seqlens (batch):  [[0, 2, 5], [0, 4, -1]]
+The packing format is defined in :mod:`packfn.metadata` (and docs/format.md).
 """
 
 from __future__ import annotations

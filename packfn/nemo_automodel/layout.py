@@ -48,7 +48,7 @@ def packed_layout(
     Returns:
         :class:`PackedSequenceLayout` on ``seq_lens.device`` whose row
         length is ``max(minimum_length, 1, longest aligned row)`` rounded up
-        to ``alignment``: 12 for the example of :mod:`packfn._ops.layout`.
+        to ``alignment``: 12 for the example of :mod:`packfn.layout`.
         Under ``torch.compile`` / ``torch.export`` that length is an
         unbacked size.
 

@@ -1,6 +1,6 @@
 """NeMo AutoModel's metadata helpers, exactly: ``datasets.packing`` and ``models.common.packing`` 0.7.0.
 
-The packing format is described once, in :mod:`packfn._ops.metadata`.
+The packing format is defined in :mod:`packfn.metadata`.
 
 Each drop-in is the static op (:mod:`packfn.metadata`) followed by one trim
 to the data-dependent size: a host read in eager (a sync on an
