@@ -11,7 +11,8 @@ to the host, and a compiled graph never specializes on a batch's contents.
 - formats (:mod:`packfn.formats`): ``packed_position_ids``, ``document_ids_from_*`` (position ids, EOS,
   ``cu_seqlens``, ``seq_lens``, ``seq_idx``), ``seq_idx_from_document_ids``, ``seq_lens_from_document_ids``,
   ``thd_metadata``;
-- contracts (:mod:`packfn.contract`): ``packed_attention_inputs`` and the contract types;
+- attention backends (:mod:`packfn.attention`): the registry ``ATTENTION_BACKENDS`` (a backend's name to the
+  ``AttentionInputKind`` it consumes) and ``attention_inputs``, a backend's inputs;
 - the data side (:mod:`packfn.data`, host Python for loader workers): the packer ``pack_documents``,
   ``pack_stream``, ``suggest_budgets``, and the loader ``PackedDataset``;
 - distributed (:mod:`packfn.distributed`): ``shard_packed_batch`` and the local-query inputs of a rank.
@@ -24,12 +25,7 @@ The ops themselves are ``torch.ops.packfn.*`` (:mod:`packfn._ops`).
 
 import packfn._ops  # noqa: F401  (registers every op)
 from packfn._cache import cache_key_tag, install_cache_key_tag
-from packfn.contract import (
-    DEFAULT_PACKED_SEQUENCE_CONTRACT,
-    PackedMaskType,
-    PackedSequenceContract,
-    packed_attention_inputs,
-)
+from packfn.attention import ATTENTION_BACKENDS, AttentionInputKind, attention_inputs
 from packfn.data import (
     BudgetSuggestion,
     PackedBatch,
@@ -68,7 +64,8 @@ from packfn.metadata import BatchMetadata, VarlenMetadata, batch_metadata, flatt
 from packfn.varlen import PhysicalVarlenMetadata, pad, physical_varlen_metadata, unpad
 
 __all__ = [
-    "DEFAULT_PACKED_SEQUENCE_CONTRACT",
+    "ATTENTION_BACKENDS",
+    "AttentionInputKind",
     "BatchMetadata",
     "BudgetSuggestion",
     "CPShard",
@@ -76,8 +73,6 @@ __all__ = [
     "EosDocuments",
     "PackedBatch",
     "PackedDataset",
-    "PackedMaskType",
-    "PackedSequenceContract",
     "PackedSequenceLayout",
     "PhysicalVarlenMetadata",
     "Piece",
@@ -85,6 +80,7 @@ __all__ = [
     "ThdMetadata",
     "VarlenMetadata",
     "aligned_layout",
+    "attention_inputs",
     "batch_metadata",
     "block_causal_mask",
     "cache_key_tag",
@@ -101,7 +97,6 @@ __all__ = [
     "flatten_metadata",
     "pack_documents",
     "pack_stream",
-    "packed_attention_inputs",
     "packed_position_ids",
     "pad",
     "physical_varlen_metadata",

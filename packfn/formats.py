@@ -22,7 +22,11 @@ name the broken rule. For the example mask
   (:func:`seq_idx_from_document_ids`);
 - THD boundaries for Transformer Engine (:func:`thd_metadata`):
   ``cu_seqlens = [0, 2, 5, 9, 9]``, ``cu_seqlens_padded = [0, 2, 6, 12, 12]``
-  (``max_documents=2``).
+  (``max_documents=2``);
+- a causal LM's targets: :func:`shift_labels` (each token's target is the
+  next valid token of its document, ``-100`` at a document's last token and
+  at padding) and :func:`ignore_first_tokens` (``-100`` at each document's
+  first token and at padding, the same targets before the shift).
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ from packfn._ops._registry import Rule, assert_rules
 from packfn._ops.metadata import mask_rules
 
 __all__ = [
+    "IGNORE_INDEX",
     "EosDocuments",
     "ThdMetadata",
     "document_ids_from_cu_seqlens",
@@ -54,11 +59,16 @@ __all__ = [
     "document_ids_from_position_ids",
     "document_ids_from_seq_idx",
     "document_ids_from_seq_lens",
+    "ignore_first_tokens",
     "packed_position_ids",
     "seq_idx_from_document_ids",
     "seq_lens_from_document_ids",
+    "shift_labels",
     "thd_metadata",
 ]
+
+IGNORE_INDEX = -100
+"""The label a loss ignores (``torch.nn.functional.cross_entropy``'s default ``ignore_index``)."""
 
 
 def packed_position_ids(document_ids: torch.Tensor) -> torch.Tensor:
@@ -89,6 +99,41 @@ def packed_position_ids(document_ids: torch.Tensor) -> torch.Tensor:
     positions, broken = _ops.position_ids_op(document_ids)
     assert_rules(broken, mask_rules(document_ids.shape[1]))
     return positions
+
+
+def shift_labels(labels: torch.Tensor, next_token: torch.Tensor) -> torch.Tensor:
+    """Each token's next-token target: the label of the token ``next_token`` points at, ``-100`` where none.
+
+    Args:
+        labels: ``[batch, sequence]`` labels, unshifted.
+        next_token: int64 ``[batch, sequence]``: the flat index (into
+            ``[batch * sequence]``) of the next valid token of each token's
+            document, -1 at its last token and at padding (``packfn::document_positions``).
+
+    Returns:
+        ``[batch, sequence]`` in ``labels``' dtype: no document predicts the
+        next one, and padding inside a document is skipped. For the example
+        mask and ``labels = [[1, 2, 3, 4, 5, 0], [6, 7, 8, 9, 0, 0]]``:
+        ``[[2, -100, 4, 5, -100, -100], [7, 8, 9, -100, -100, -100]]``.
+    """
+    # One gather: index -1 wraps to the -100 appended after the labels.
+    flat = torch.cat([labels.reshape(-1), labels.new_full((1,), IGNORE_INDEX)])
+    return torch.take(flat, next_token)
+
+
+def ignore_first_tokens(labels: torch.Tensor, document_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+    """``labels`` with ``-100`` at each document's first token (position 0) and at padding.
+
+    The targets :func:`shift_labels` gives, before the shift, where no
+    padding sits inside a document: for a loss that shifts ``labels`` itself.
+
+    Args:
+        labels: ``[batch, sequence]`` labels.
+        document_ids: ``[batch, sequence]`` document ids, 0 at padding.
+        position_ids: ``[batch, sequence]`` position ids that restart at 0 on
+            each document's first valid token (:func:`packed_position_ids`).
+    """
+    return labels.masked_fill((position_ids == 0) | (document_ids == 0), IGNORE_INDEX)
 
 
 def _checked(ids_and_flags: tuple[torch.Tensor, torch.Tensor], rules: tuple[Rule, ...]) -> torch.Tensor:
@@ -322,7 +367,8 @@ def document_ids_from_seq_idx(
 
     Raises:
         ValueError / TypeError: malformed arguments.
-        RuntimeError: (a sync-free assert) a negative or decreasing index.
+        RuntimeError: (a sync-free assert) a negative or decreasing index, or
+            an index of ``2**63 - 1``, whose id int64 cannot hold.
     """
     check_table(seq_idx, "seq_idx")
     check_padding_mask(attention_mask, seq_idx.shape)

@@ -6,9 +6,9 @@ after it and carry its id; padding attends nothing and nothing attends it.
 For the example mask ``[[1, 1, 2, 2, 2, 0], [1, 1, 1, 1, 0, 0]]``, query 3
 (document 2) attends keys 2 and 3.
 
-- ``"block_causal"`` (:data:`packfn.PackedMaskType`): :func:`block_causal_mask`,
-  bool ``[batch, 1, sequence, sequence]``.
-- FlexAttention: :func:`document_mask_mod` and :func:`document_block_mask`.
+- ``"block_causal"`` (:data:`packfn.AttentionInputKind`): :func:`block_causal_mask`,
+  bool ``[batch, 1, sequence, sequence]``; ``"additive_mask"``: :func:`additive_mask` of it.
+- ``"block_mask"``, FlexAttention: :func:`document_mask_mod` and :func:`document_block_mask`.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from packfn._ops._registry import assert_rules
 from packfn._ops.metadata import mask_rules
 
 __all__ = [
+    "additive_mask",
     "block_causal_mask",
     "causal_band_mask",
     "check_window",
@@ -54,6 +55,15 @@ def block_causal_mask(document_ids: torch.Tensor) -> torch.Tensor:
     mask, broken = _ops.block_causal_mask_op(document_ids, True)
     assert_rules(broken, mask_rules(document_ids.shape[1]))
     return mask
+
+
+def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A bool mask as eager attention adds it to the scores: 0 where True, ``dtype``'s minimum where False.
+
+    Adding a bool mask would add 0 and 1; transformers' own eager masks are
+    additive in the model's dtype.
+    """
+    return torch.zeros((), dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)
 
 
 def causal_band_mask(first_columns: torch.Tensor, *, invert: bool = False) -> torch.Tensor:

@@ -3,7 +3,7 @@
 The packing format is described once, in :mod:`packfn._ops.metadata`. For
 the example mask ``[[1, 1, 2, 2, 2, 0], [1, 1, 1, 1, 0, 0]]``:
 
-- ``"flash_varlen"`` (:data:`packfn.PackedMaskType`): physical boundaries over
+- ``"flash_varlen"`` (:data:`packfn.AttentionInputKind`): physical boundaries over
   the flattened ``[batch * sequence]`` stream, padding runs included
   (:func:`physical_varlen_metadata`): ``[0, 2, 5, 6, 10, 12]``, then 12
   repeated to a fixed size.

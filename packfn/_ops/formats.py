@@ -121,17 +121,26 @@ def _mask_ints(document_ids: torch.Tensor) -> torch.Tensor:
     return document_ids.to(torch.uint8) if document_ids.dtype == torch.bool else document_ids
 
 
-def _positions_math(document_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Position ids ``[B, S]``, validity ``[B, S]``, the mask-rule flags (NOTE [Position ids by two running maxima])."""
+def _positions_math(document_ids: torch.Tensor, padding: bool = True):
+    """Position ids ``[B, S]``, validity ``[B, S]``, the mask-rule flags (NOTE [Position ids by two running maxima]).
+
+    ``padding=False`` is the static promise that no id is 0 and every run of
+    equal ids is a document (an EOS stream without padding): each position is
+    then its column minus its run's first, by one running maximum, and the
+    validity and the flags are None.
+    """
     ids = _mask_ints(document_ids)
     sequence = ids.shape[1]
+    columns = torch.arange(sequence, device=ids.device)
+    if not padding:
+        starts = ids != _before(ids, -1)
+        return columns - torch.where(starts, columns, 0).cummax(1).values, None, None
     running, last = ids.cummax(1)
     valid = ids != 0
     seen = valid.cumsum(1)
     # A start: the id exceeds the running maximum before it (padding never does).
     starts = ids > _before(running, 0)
     first_seen = torch.where(starts, seen, 0).cummax(1).values
-    columns = torch.arange(sequence, device=ids.device)
     last = torch.where(seen > 0, last, 0)
     positions = seen - first_seen + columns - last
     negative = (ids < 0).any() if ids.dtype.is_signed else _false(ids)
@@ -179,6 +188,13 @@ def _expand(values, length, shape):
     return numpy.repeat(values, length).reshape(shape)
 
 
+def _run_positions(offset, length, shape):
+    """NumPy: position ids of runs: each token's column plus its run's ``offset`` (``-column`` at a document start)."""
+    positions = _expand(offset, length, shape)
+    numpy.add(positions, numpy.arange(shape[1]), out=positions)
+    return positions
+
+
 def _positions_cpu(document_ids: torch.Tensor):
     """:func:`_positions_math` on a CPU mask, run by run (NOTE [Eager kernels]); None where NumPy is not to be had.
 
@@ -192,27 +208,23 @@ def _positions_cpu(document_ids: torch.Tensor):
     if runs is None:
         return None
     array, start, length, run_id = runs
-    batch, sequence = array.shape
+    sequence = array.shape[1]
     column = start % sequence
-    valid = numpy.flatnonzero(run_id != 0)
+    valid = numpy.flatnonzero(run_id)
     row = start[valid] // sequence
     valid_id = run_id[valid]
     same_row = row[1:] == row[:-1]
     new_document = numpy.ones(valid.size, dtype=numpy.bool_)
-    new_document[1:] = ~same_row | (valid_id[1:] != valid_id[:-1])
-    earlier = numpy.cumsum(length[valid]) - length[valid]  # valid tokens in earlier valid runs
-    offset = numpy.zeros(start.size, dtype=numpy.int64)
-    offset[valid] = earlier - numpy.maximum.accumulate(numpy.where(new_document, earlier, 0)) - column[valid]
+    numpy.logical_or(~same_row, valid_id[1:] != valid_id[:-1], out=new_document[1:])
+    offset = -column  # a valid run that begins its document: its first token is position 0
+    if not new_document.all():  # documents with padding inside them: count their valid tokens in earlier runs
+        earlier = numpy.cumsum(length[valid]) - length[valid]
+        offset[valid] += earlier - numpy.maximum.accumulate(numpy.where(new_document, earlier, 0))
     padding = numpy.flatnonzero(run_id == 0)
     offset[padding] = numpy.where(column[padding] != 0, offset[numpy.maximum(padding - 1, 0)], 0)
-    positions = numpy.repeat(offset, length).reshape(batch, sequence)
-    numpy.add(positions, numpy.arange(sequence), out=positions)
+    positions = _run_positions(offset, length, array.shape)
     broken = numpy.array([(run_id < 0).any(), (same_row & (valid_id[1:] < valid_id[:-1])).any(), False])
-    next_run = numpy.full(start.size, -1, dtype=numpy.int64)
-    # A valid run whose document goes on after padding: its last token's next token is the next run's first.
-    continued = valid[:-1][~new_document[1:]]
-    next_run[continued] = start[valid[1:][~new_document[1:]]]
-    return positions, broken, (array, start, length, run_id, next_run)
+    return positions, broken, (array, start, length, run_id, valid, new_document)
 
 
 def _position_ids_fake(document_ids: torch.Tensor):
@@ -260,11 +272,15 @@ def _document_positions_eager(document_ids: torch.Tensor) -> tuple[torch.Tensor,
     cpu = _positions_cpu(document_ids)
     if cpu is None:
         return tuple(document_positions_op.math(document_ids))
-    positions, broken, (array, start, length, run_id, next_run) = cpu
+    positions, broken, (array, start, length, run_id, valid, new_document) = cpu
+    # A valid run whose document goes on after padding: its last token's next token is the next run's first.
+    next_run = numpy.full(start.size, -1, dtype=numpy.int64)
+    continued = ~new_document[1:]
+    next_run[valid[:-1][continued]] = start[valid[1:][continued]]
     # Inside a valid run the next token is the next column; at its last token, the next run of the document.
     flat = numpy.arange(1, array.size + 1, dtype=numpy.int64)
+    numpy.putmask(flat, numpy.repeat(run_id == 0, length), -1)
     flat[start + length - 1] = next_run
-    flat[numpy.repeat(run_id == 0, length)] = -1
     return torch.from_numpy(positions), torch.from_numpy(flat.reshape(array.shape)), torch.from_numpy(broken)
 
 
@@ -461,13 +477,6 @@ def _eos_outputs(input_ids, documents, markers, valid, positions, vocab_size, re
     return documents, positions, loss_mask, outside.unsqueeze(0)
 
 
-def _positions_without_padding(documents: torch.Tensor) -> torch.Tensor:
-    """Position ids of ids that are never 0: each column minus the column its run of equal ids begins at."""
-    columns = torch.arange(documents.shape[1], device=documents.device)
-    starts = documents != _before(documents, -1)
-    return columns - torch.where(starts, columns, 0).cummax(1).values
-
-
 def _from_eos_eager(
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor | None,
@@ -513,12 +522,10 @@ def _eos_runs_cpu(array, eos_token_ids, bos, vocab_size, reset_position_ids, res
     starts[:, 1:] = markers[:, 1:] if bos else markers[:, :-1]
     first, length, index = _document_runs(starts)
     documents = _expand(index, length, shape) if reset_attention_mask else numpy.ones(shape, dtype=numpy.int64)
-    columns = numpy.arange(shape[1])
     if reset_position_ids:
-        positions = _expand(-(first % shape[1]), length, shape)
-        numpy.add(positions, columns, out=positions)
+        positions = _run_positions(-(first % shape[1]), length, shape)
     else:
-        positions = numpy.broadcast_to(columns, shape).copy()
+        positions = numpy.broadcast_to(numpy.arange(shape[1]), shape).copy()
     loss_mask = ~markers if eod_mask_loss else numpy.ones(shape, dtype=numpy.bool_)
     outside = vocab_size is not None and bool(array.min() < 0 or array.max() >= vocab_size)
     tensors = (documents, positions, loss_mask, numpy.array([outside]))
@@ -526,7 +533,7 @@ def _eos_runs_cpu(array, eos_token_ids, bos, vocab_size, reset_position_ids, res
 
 
 def _eos_positions(documents: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
-    return _positions_without_padding(documents) if valid is None else _positions_math(documents)[0]
+    return _positions_math(documents, padding=valid is not None)[0]
 
 
 @packfn_op("document_ids_from_eos", fake=_from_eos_fake, outputs=EosDocumentsOutputs, eager=_from_eos_eager)
@@ -698,13 +705,16 @@ def document_ids_from_cu_seqlens_op(
 SEQ_IDX_RULES = (
     Rule("seq_idx must not be negative"),
     Rule("seq_idx must not decrease along a row"),
+    Rule("seq_idx must be below 2**63 - 1 (the document id, seq_idx + 1, must fit in int64)"),
 )
 """Data rules of a 0-based ``seq_idx``, in the order of its op's flags."""
 
+_INT64_MAX = 2**63 - 1
+
 
 def _from_seq_idx_fake(seq_idx: torch.Tensor, attention_mask: torch.Tensor | None, pad_index: int | None):
-    """int64 ``[batch, sequence]`` and 2 rule flags."""
-    return _ids_fake(seq_idx, 2)
+    """int64 ``[batch, sequence]`` and 3 rule flags."""
+    return _ids_fake(seq_idx, len(SEQ_IDX_RULES))
 
 
 @packfn_op("document_ids_from_seq_idx", fake=_from_seq_idx_fake, outputs=IdsOutputs)
@@ -717,11 +727,14 @@ def document_ids_from_seq_idx_op(
         ids = index + 1
         negative = (index < 0).any()
         decreasing = (index < _before(index, -(2**62))).any()
+        overflow = (index == _INT64_MAX).any()
     else:
         ids = torch.where(valid, index + 1, 0)
         negative = (valid & (index < 0)).any()
-        decreasing = (valid & (ids < ids.cummax(1).values)).any()
-    return ids, torch.stack([negative, decreasing])
+        # The wrapped id of 2**63 - 1 (-2**63) must not hide a decrease: compare the indices.
+        decreasing = (valid & (index < torch.where(valid, index, -1).cummax(1).values)).any()
+        overflow = (valid & (index == _INT64_MAX)).any()
+    return ids, torch.stack([negative, decreasing, overflow])
 
 
 SEQ_IDX_RANGE_RULE = Rule("document ids must be at most 2**31 (seq_idx is int32: the id minus 1)")

@@ -43,10 +43,12 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from packfn._checks import check_int, check_positive_int
+from packfn._ops import formats as _format_ops
 from packfn.data.batch import token_positions
 from packfn.data.examples import IGNORE_INDEX, Examples, Tokens, concatenate, decode_example
 from packfn.data.fit import Items, checked_budgets
 from packfn.data.packer import Carry, Window, batch_and_items, pack_window
+from packfn.formats import shift_labels
 
 __all__ = ["BATCH_KEYS", "IGNORE_INDEX", "PackedDataset"]
 
@@ -559,9 +561,8 @@ def _tensors(packed: Window, rows: torch.Tensor, store, dataset: PackedDataset) 
     label_row.index_copy_(0, target, (tokens if labels is None else labels).index_select(0, source))
     input_ids, label_row = input_ids.view(batch, sequence), label_row.view(batch, sequence)
     document_ids = result.document_ids
-    same = (document_ids[:, 1:] == document_ids[:, :-1]) & (document_ids[:, 1:] > 0)
-    shift_labels = torch.full_like(label_row, IGNORE_INDEX)
-    shift_labels[:, :-1] = torch.where(same, label_row[:, 1:], IGNORE_INDEX)
+    # The packer's ids obey the mask rules: the op's rule flags need no check.
+    positions, next_token, _ = _format_ops.document_positions_op(document_ids)
     slots = pieces.row * cap + pieces.slot
     documents = torch.full((batch, cap), -1, dtype=torch.int64)
     documents.view(-1).index_copy_(0, slots, pieces.document)
@@ -570,28 +571,11 @@ def _tensors(packed: Window, rows: torch.Tensor, store, dataset: PackedDataset) 
     return {
         "input_ids": input_ids,
         "labels": label_row,
-        "shift_labels": shift_labels,
-        "position_ids": _position_ids(pieces.row, pieces.column, batch, sequence),
+        "shift_labels": shift_labels(label_row, next_token),
+        "position_ids": positions,
         "document_ids": document_ids,
         "seq_lens": result.seq_lens,
         "seq_lens_padded": result.seq_lens_padded,
         "documents": documents,
         "document_offsets": offsets,
     }
-
-
-def _position_ids(row: torch.Tensor, column: torch.Tensor, batch: int, sequence: int) -> torch.Tensor:
-    """Positions that restart at each piece's first column, padding counting on (as ``packed_position_ids``)."""
-    # The start column of the piece each column follows, spread by a cumulative sum of the jumps between starts.
-    starts = torch.zeros(batch * sequence, dtype=torch.int64)
-    first = torch.ones_like(row, dtype=torch.bool)
-    first[1:] = row[1:] != row[:-1]
-    previous = torch.zeros_like(column)
-    previous[1:] = column[:-1]
-    jumps = torch.where(first, column, column - previous)
-    starts.index_add_(0, row * sequence + column, jumps)
-    # Each row starts over: take back the last start of the row before.
-    last = torch.zeros(batch, dtype=torch.int64).scatter_reduce_(0, row, column, "amax")
-    starts[sequence::sequence] -= last[:-1]
-    starts = torch.cumsum(starts, 0).view(batch, sequence)
-    return torch.arange(sequence, dtype=torch.int64) - starts

@@ -32,16 +32,14 @@ from torch.nn.attention.flex_attention import BlockMask
 from packfn._checks import check_int, check_mask, check_positive_int
 from packfn._ops import formats as _format_ops
 from packfn._ops import masks as _mask_ops
-from packfn._ops import varlen as _varlen_ops
 from packfn._ops._registry import assert_rules
 from packfn._ops.metadata import mask_rules
-from packfn.contract import FLASH_ATTENTION_IMPLEMENTATIONS, passthrough_inputs
-from packfn.masks import check_window, checked_block_mask
-from packfn.varlen import flash_kwargs
+from packfn.attention import AttentionInputKind, attention_backend, attention_inputs, passthrough_inputs
+from packfn.data.examples import token_tensor
+from packfn.formats import document_ids_from_seq_lens, ignore_first_tokens, packed_position_ids, shift_labels
+from packfn.masks import additive_mask, check_window, checked_block_mask
 
 __all__ = ["PackedCausalLM", "PackedCollator", "hf_model_inputs"]
-
-_IMPLEMENTATIONS = ("eager", "sdpa", "flex_attention", *FLASH_ATTENTION_IMPLEMENTATIONS)
 
 
 # Models whose use_bidirectional_attention=True makes every layer attend both
@@ -113,19 +111,22 @@ def _attention(config: Any, window: Any, causal: bool | None) -> _Attention:
     return _Attention(causal, inclusive, layers)
 
 
-def _check_backend(attention: _Attention, implementation: str, text: Any, sequence: int, labels: object) -> None:
+def _check_backend(
+    attention: _Attention, implementation: str, kind: AttentionInputKind, text: Any, sequence: int, labels: object
+) -> None:
     """Refuse the combinations of backend, flags and shape that no input of hf_model_inputs can serve."""
-    chunks = [size for kind, size in attention.layers.values() if kind == "chunk"]
-    if implementation == "flex_attention" and (not attention.causal or chunks):
+    chunks = [size for layer, size in attention.layers.values() if layer == "chunk"]
+    if kind == "block_mask" and (not attention.causal or chunks):
         raise ValueError(
             "hf_model_inputs builds causal, unchunked FlexAttention block masks only: use sdpa or eager for "
             "bidirectional attention (use_bidirectional_attention, is_causal=False) or chunked_attention layers"
         )
-    flash = implementation in FLASH_ATTENTION_IMPLEMENTATIONS
-    if flash and chunks and isinstance(sequence, int) and sequence > min(chunks):
+    # The kernel of a varlen or document-id backend takes one input for every layer, and applies windows itself.
+    if kind in ("flash_varlen", "document_ids") and chunks and isinstance(sequence, int) and sequence > min(chunks):
+        what = "set of cu_seq_lens" if kind == "flash_varlen" else "document-id mask"
         raise ValueError(
-            f"flash attention cannot restrict chunked_attention layers to chunks of {min(chunks)} positions "
-            f"(one set of cu_seq_lens serves every layer) and the rows hold {sequence}: use sdpa or eager"
+            f"{implementation} cannot restrict chunked_attention layers to chunks of {min(chunks)} positions "
+            f"(one {what} serves every layer) and the rows hold {sequence}: use sdpa or eager"
         )
     floor = getattr(text, "floor_scale", None)
     tuning = getattr(text, "attn_temperature_tuning", False)
@@ -147,27 +148,14 @@ def _check_labels(labels: object) -> None:
         raise TypeError(f"labels must be an int32 or int64 tensor (they hold -100), got {labels.dtype}")
 
 
-def _shift_labels(labels: torch.Tensor, next_token: torch.Tensor) -> torch.Tensor:
-    """Each valid token's target: the label of the next valid token of its document (``next_token``), else -100."""
-    targets = labels.reshape(-1).gather(0, next_token.reshape(-1).clamp_min(0)).view_as(labels)
-    return targets.masked_fill(next_token < 0, -100)
-
-
 def _dense_mask(
-    document_ids: torch.Tensor,
-    positions: torch.Tensor,
-    attention: _Attention,
-    layer: tuple[str, int | None],
-    implementation: str,
-    dtype: torch.dtype,
+    document_ids: torch.Tensor, positions: torch.Tensor, attention: _Attention, layer: tuple[str, int | None]
 ) -> torch.Tensor:
-    """The document mask of one layer kind, bool ``[batch, 1, sequence, sequence]``; additive in ``dtype`` for eager.
+    """The document mask of one layer kind, bool ``[batch, 1, sequence, sequence]``.
 
     Windows and chunks count position ids, not columns, so padding inside a
     document does not shrink them, and chunks start at each document's first
-    token. Eager attention adds its mask to the scores (a bool mask would add
-    0 and 1), so it gets ``0`` where a key is visible and the dtype's minimum
-    elsewhere, as transformers' own masks.
+    token.
     """
     if attention.causal:
         mask = _mask_ops.block_causal_mask_op(document_ids, False).mask
@@ -183,8 +171,6 @@ def _dense_mask(
         mask = mask & (
             torch.div(query, size, rounding_mode="floor") == torch.div(key, size, rounding_mode="floor")
         ).unsqueeze(1)
-    if implementation == "eager":
-        return torch.zeros((), dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)
     return mask
 
 
@@ -296,15 +282,16 @@ def hf_model_inputs(
     """
     check_mask(document_ids)
     implementation = attn_implementation or getattr(config, "_attn_implementation", None)
-    if implementation not in _IMPLEMENTATIONS:
+    if implementation is None:
         raise ValueError(
-            f"hf_model_inputs supports attn_implementation {', '.join(map(repr, _IMPLEMENTATIONS))}, "
-            f"got {implementation!r} (pass attn_implementation=, or build the model so its config has one)"
+            "hf_model_inputs needs an attention backend, got None: pass attn_implementation=, or build the model "
+            "so its config has one"
         )
+    kind = attention_backend(implementation, "attn_implementation")
     block_size = check_positive_int(block_size, "block_size")
     attention = _attention(config, sliding_window, causal)
     text = config.get_text_config() if callable(getattr(config, "get_text_config", None)) else config
-    _check_backend(attention, implementation, text, document_ids.shape[1], labels)
+    _check_backend(attention, implementation, kind, text, document_ids.shape[1], labels)
     if dtype is None:
         dtype = config.dtype if isinstance(getattr(config, "dtype", None), torch.dtype) else torch.get_default_dtype()
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
@@ -317,25 +304,25 @@ def hf_model_inputs(
     assert_rules(parsed.broken, mask_rules(document_ids.shape[1]))
     positions = inputs["position_ids"] = parsed.position_ids
     if labels is not None:
-        # Valid tokens at position 0 start a document; padding takes no loss.
         labels = labels.long()  # transformers' loss takes int64 targets only
-        inputs["labels"] = labels.masked_fill((positions == 0) | (document_ids == 0), -100)
-    if implementation in FLASH_ATTENTION_IMPLEMENTATIONS:
-        cu_seqlens = _varlen_ops.physical_varlen_metadata_op(document_ids).cu_seqlens
-        inputs.update(flash_kwargs(cu_seqlens, document_ids.shape[1]))
-    else:
-        inputs["attention_mask"] = _attention_masks(
-            document_ids, positions, implementation, attention, block_size, dtype
+        inputs["labels"] = ignore_first_tokens(labels, document_ids, positions)
+    # The mask rules are checked (above): the masks are built without checks (NOTE [Check once]).
+    inputs.update(
+        attention_inputs(
+            document_ids,
+            implementation,
+            build_mask=lambda kind: _attention_masks(document_ids, positions, kind, attention, block_size, dtype),
         )
+    )
     if labels is not None:
-        inputs["shift_labels"] = _shift_labels(labels, parsed.next_token)
+        inputs["shift_labels"] = shift_labels(labels, parsed.next_token)
     return inputs
 
 
 def _attention_masks(
     document_ids: torch.Tensor,
     positions: torch.Tensor,
-    implementation: str,
+    kind: AttentionInputKind,
     attention: _Attention,
     block_size: int,
     dtype: torch.dtype,
@@ -343,9 +330,10 @@ def _attention_masks(
     """The attention mask of a checked mask: one, or one per layer type (a dict) where the config lists them."""
 
     def mask(layer: tuple[str, int | None]) -> torch.Tensor | BlockMask:
-        if implementation == "flex_attention":  # causal, windows only (_check_backend)
+        if kind == "block_mask":  # causal, windows only (_check_backend)
             return checked_block_mask(document_ids, block_size, layer[1], True, positions, check=False)
-        return _dense_mask(document_ids, positions, attention, layer, implementation, dtype)
+        dense = _dense_mask(document_ids, positions, attention, layer)
+        return additive_mask(dense, dtype) if kind == "additive_mask" else dense
 
     if None in attention.layers:
         return mask(attention.layers[None])
@@ -389,9 +377,6 @@ class PackedCollator:
         self.pad_token_id = check_int(pad_token_id, "pad_token_id")
 
     def __call__(self, features: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
-        from packfn.data import token_tensor
-        from packfn.formats import document_ids_from_seq_lens
-
         rows = len(features)
         if rows == 0:
             raise ValueError("PackedCollator got no features (a batch needs at least one row)")
@@ -424,11 +409,7 @@ class PackedCollator:
         for row, table in enumerate(tables):
             seq_lens[row, : table.numel()] = table
         document_ids = document_ids_from_seq_lens(seq_lens, self.sequence)
-        # Each document's first token: where the lengths before it end (a document of no tokens has none).
-        starts = seq_lens.cumsum(1) - seq_lens
-        rows_of = torch.arange(rows).unsqueeze(1).expand_as(starts)
-        present = seq_lens > 0
-        labels[rows_of[present], starts[present]] = -100
+        labels = ignore_first_tokens(labels, document_ids, packed_position_ids(document_ids))
         return {"input_ids": input_ids, "labels": labels, "document_ids": document_ids}
 
 

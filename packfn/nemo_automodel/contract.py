@@ -1,21 +1,17 @@
-"""NeMo AutoModel's packing contracts (``datasets.packing`` 0.7.0), ``resolve_packing_contract`` included.
+"""NeMo AutoModel's packing contracts (``datasets.packing`` 0.7.0): the types, the default, and their resolution.
 
-The contract types live in :mod:`packfn.contract` (the core takes them);
-this module adds upstream's resolution of the deprecated
-``attn_implementation`` keyword, with its ``FutureWarning`` rules.
+A contract says which packed attention-mask representation a model consumes
+(``packed_mask_type``) and whether it also consumes packed-sequence metadata.
+Each mask type is also a backend name of packfn's registry
+(:data:`packfn.ATTENTION_BACKENDS`), which is how
+:func:`packfn.nemo_automodel.packed_attention_inputs` builds its inputs.
 """
 
 from __future__ import annotations
 
 import warnings
-
-from packfn.contract import (
-    DEFAULT_PACKED_SEQUENCE_CONTRACT,
-    FLASH_ATTENTION_IMPLEMENTATIONS,
-    PackedMaskType,
-    PackedSequenceContract,
-    _DefaultPackedSequenceContract,
-)
+from dataclasses import dataclass
+from typing import Final, Literal, Protocol
 
 __all__ = [
     "DEFAULT_PACKED_SEQUENCE_CONTRACT",
@@ -24,7 +20,39 @@ __all__ = [
     "resolve_packing_contract",
 ]
 
-_LEGACY_FLASH_ATTENTION_IMPLEMENTATIONS = frozenset(FLASH_ATTENTION_IMPLEMENTATIONS)
+PackedMaskType = Literal["block_causal", "document_ids", "flash_varlen"]
+"""The packed attention-mask representation a model consumes.
+
+- ``"block_causal"``: a ``[batch, 1, sequence, sequence]`` bool mask.
+- ``"document_ids"``: the document-id mask itself.
+- ``"flash_varlen"``: physical varlen boundaries for flash attention.
+"""
+
+
+class PackedSequenceContract(Protocol):
+    """What a model needs from the collater of packed batches."""
+
+    @property
+    def packed_mask_type(self) -> PackedMaskType:
+        """The packed attention-mask representation the model consumes."""
+        ...
+
+    @property
+    def requires_packed_sequence_metadata(self) -> bool:
+        """Whether the model consumes token indices and cumulative lengths."""
+        ...
+
+
+@dataclass(frozen=True)
+class _DefaultPackedSequenceContract:
+    """The contract used when the model states none: block-causal masks, no metadata."""
+
+    packed_mask_type: PackedMaskType = "block_causal"
+    requires_packed_sequence_metadata: bool = False
+
+
+DEFAULT_PACKED_SEQUENCE_CONTRACT: Final[PackedSequenceContract] = _DefaultPackedSequenceContract()
+_LEGACY_FLASH_ATTENTION_IMPLEMENTATIONS = frozenset({"flash_attention_2", "flash_attention_3", "flash_attention_4"})
 
 _DEPRECATED_FOR_DEFAULT = (
     "attn_implementation is deprecated for packed-sequence construction; "

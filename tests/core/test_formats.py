@@ -269,6 +269,21 @@ def test_bad_data_fails_a_sync_free_assert_that_names_the_rule(case, call, messa
         call()
 
 
+# Issue 26: an index of 2**63 - 1 is valid by the documented rules, and its id does not fit in int64.
+
+
+@pytest.mark.parametrize("padding", [{}, {"pad_index": -1}, {"attention_mask": torch.ones(1, 2, dtype=torch.int64)}])
+def test_document_ids_from_seq_idx_refuses_the_index_whose_id_overflows_int64(padding):
+    with pytest.raises(RuntimeError, match=r"seq_idx must be below 2\*\*63 - 1 \(the document id, seq_idx \+ 1"):
+        packfn.document_ids_from_seq_idx(torch.tensor([[0, 2**63 - 1]]), **padding)
+    assert packfn.document_ids_from_seq_idx(torch.tensor([[0, 2**63 - 2]]), **padding).tolist() == [[1, 2**63 - 1]]
+
+
+def test_document_ids_from_seq_idx_ignores_the_largest_index_at_padding():
+    ids = packfn.document_ids_from_seq_idx(torch.tensor([[0, 2**63 - 1]]), pad_index=2**63 - 1)
+    assert ids.tolist() == [[1, 0]]
+
+
 BAD_ARGUMENTS = [
     (lambda: packfn.document_ids_from_eos(torch.tensor([[1, 2]]), 8, vocab_size=8), ValueError,
      r"eos_token_id 8 is outside the vocabulary \[0, 8\)"),

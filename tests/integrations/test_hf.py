@@ -290,7 +290,7 @@ def test_transformers_own_packed_path_needs_use_cache_false():
     ("config", "kwargs", "error", "message"),
     [
         (LlamaConfig(), {}, ValueError, "got None"),
-        (LlamaConfig(), {"attn_implementation": "paged|sdpa"}, ValueError, "supports attn_implementation"),
+        (LlamaConfig(), {"attn_implementation": "paged|sdpa"}, ValueError, "attn_implementation must be a registered"),
         (
             Qwen2Config(layer_types=["linear_attention"], num_hidden_layers=1),
             {"attn_implementation": "sdpa"},

@@ -1,12 +1,14 @@
-"""hf_model_inputs off the main path: int32 labels, and export of the flash inputs with the default Dim."""
+"""hf_model_inputs off the main path: int32 labels, the registry of backends, export of the flash inputs."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch.export import Dim
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from packfn.integrations.hf import hf_model_inputs
+import packfn
+from packfn.integrations.hf import PackedCollator, hf_model_inputs
 
 DOCUMENT_IDS = torch.tensor([[1, 1, 2, 2, 2, 0], [1, 1, 1, 1, 0, 0]])
 
@@ -48,3 +50,45 @@ def test_flash_inputs_export_with_the_default_sequence_dim():
         ids = torch.randint(0, 3, (2, sequence)).sort(1).values
         for got, want in zip(exported.module()(ids), module(ids), strict=True):
             assert torch.equal(got, want)
+
+
+# One registry: a backend registered in packfn.ATTENTION_BACKENDS is what both paths dispatch on.
+
+
+@pytest.mark.parametrize("kind", ["flash_varlen", "document_ids", "block_causal", "additive_mask"])
+def test_a_registered_backend_is_what_both_paths_dispatch_on(monkeypatch, kind):
+    monkeypatch.setitem(packfn.ATTENTION_BACKENDS, "my_kernel", kind)
+    core = packfn.attention_inputs(DOCUMENT_IDS, "my_kernel", dtype=torch.float32)
+    hf = hf_model_inputs(DOCUMENT_IDS, _config("sdpa"), attn_implementation="my_kernel", dtype=torch.float32)
+    assert set(core) <= set(hf) and set(hf) - set(core) == {"position_ids"}
+    for key, value in core.items():
+        assert torch.equal(hf[key], value) if isinstance(value, torch.Tensor) else hf[key] == value
+    # Remapping a transformers name moves both paths with it.
+    monkeypatch.setitem(packfn.ATTENTION_BACKENDS, "sdpa", kind)
+    assert set(hf_model_inputs(DOCUMENT_IDS, _config("sdpa"))) == set(hf)
+
+
+def test_an_unregistered_backend_is_refused_by_both_paths():
+    with pytest.raises(ValueError, match="attn_implementation must be a registered attention backend"):
+        hf_model_inputs(DOCUMENT_IDS, _config("sdpa"), attn_implementation="my_kernel")
+    with pytest.raises(ValueError, match="backend must be a registered attention backend"):
+        packfn.attention_inputs(DOCUMENT_IDS, "my_kernel")
+
+
+def test_a_document_id_backend_cannot_serve_chunks_shorter_than_the_row(monkeypatch):
+    monkeypatch.setitem(packfn.ATTENTION_BACKENDS, "my_kernel", "document_ids")
+    config = _config("sdpa")
+    config.layer_types, config.attention_chunk_size = ["chunked_attention"], 4
+    with pytest.raises(ValueError, match="one document-id mask serves every layer"):
+        hf_model_inputs(DOCUMENT_IDS, config, attn_implementation="my_kernel")
+
+
+# The first-token rule, written once: the collator and hf_model_inputs agree on it.
+
+
+def test_collator_and_model_inputs_ignore_the_same_first_tokens():
+    features = [{"input_ids": [5, 6, 7, 8, 9], "seq_lengths": [2, 3]}, {"input_ids": [4, 4, 4, 4], "seq_lens": [4]}]
+    batch = PackedCollator(6)(features)
+    assert batch["labels"].tolist() == [[-100, 6, -100, 8, 9, -100], [-100, 4, 4, 4, -100, -100]]
+    inputs = hf_model_inputs(batch["document_ids"], _config("sdpa"), labels=batch["input_ids"])
+    assert torch.equal(inputs["labels"], batch["labels"])

@@ -8,7 +8,6 @@ import warnings
 import pytest
 from nemo_automodel.components.datasets import packing as upstream
 
-import packfn
 import packfn.nemo_automodel as drop_ins
 from packfn.nemo_automodel import contract
 
@@ -26,19 +25,19 @@ def test_defaults_match_upstream():
     ours, theirs = contract._DefaultPackedSequenceContract(), upstream._DefaultPackedSequenceContract()
     assert dataclasses.asdict(ours) == dataclasses.asdict(theirs)
     assert contract._LEGACY_FLASH_ATTENTION_IMPLEMENTATIONS == upstream._LEGACY_FLASH_ATTENTION_IMPLEMENTATIONS
-    assert contract._DefaultPackedSequenceContract() == packfn.DEFAULT_PACKED_SEQUENCE_CONTRACT
-    assert packfn.PackedMaskType.__args__ == upstream.PackedMaskType.__args__
+    assert contract._DefaultPackedSequenceContract() == drop_ins.DEFAULT_PACKED_SEQUENCE_CONTRACT
+    assert drop_ins.PackedMaskType.__args__ == upstream.PackedMaskType.__args__
     with pytest.raises(dataclasses.FrozenInstanceError):
-        packfn.DEFAULT_PACKED_SEQUENCE_CONTRACT.packed_mask_type = "flash_varlen"
+        drop_ins.DEFAULT_PACKED_SEQUENCE_CONTRACT.packed_mask_type = "flash_varlen"
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_default_contract_resolves_like_upstream(name):
-    ours, our_warnings = resolve(drop_ins, packfn.DEFAULT_PACKED_SEQUENCE_CONTRACT, name)
+    ours, our_warnings = resolve(drop_ins, drop_ins.DEFAULT_PACKED_SEQUENCE_CONTRACT, name)
     theirs, their_warnings = resolve(upstream, upstream.DEFAULT_PACKED_SEQUENCE_CONTRACT, name)
     assert dataclasses.asdict(ours) == dataclasses.asdict(theirs)
     assert type(ours) is contract._DefaultPackedSequenceContract
-    assert ours is not packfn.DEFAULT_PACKED_SEQUENCE_CONTRACT
+    assert ours is not drop_ins.DEFAULT_PACKED_SEQUENCE_CONTRACT
     assert our_warnings == their_warnings and our_warnings[0][0] is FutureWarning
 
 
@@ -53,14 +52,14 @@ def test_explicit_contract_is_returned_unchanged_with_a_warning(name):
 
 
 def test_none_returns_the_contract_without_warning():
-    for packing in (packfn.DEFAULT_PACKED_SEQUENCE_CONTRACT, contract._DefaultPackedSequenceContract("flash_varlen")):
+    for packing in (drop_ins.DEFAULT_PACKED_SEQUENCE_CONTRACT, contract._DefaultPackedSequenceContract("flash_varlen")):
         result, caught = resolve(drop_ins, packing, None)
         assert result is packing and caught == []
 
 
 def test_warning_points_at_the_callers_caller():
     def collate():
-        return drop_ins.resolve_packing_contract(packfn.DEFAULT_PACKED_SEQUENCE_CONTRACT, "sdpa")
+        return drop_ins.resolve_packing_contract(drop_ins.DEFAULT_PACKED_SEQUENCE_CONTRACT, "sdpa")
 
     with pytest.warns(FutureWarning) as caught:
         collate()  # this line is the caller of the caller
@@ -70,7 +69,7 @@ def test_warning_points_at_the_callers_caller():
 def test_resolve_packing_contract_treats_an_equal_default_contract_as_explicit():
     ours = contract._DefaultPackedSequenceContract()
     theirs = upstream._DefaultPackedSequenceContract()
-    assert ours == packfn.DEFAULT_PACKED_SEQUENCE_CONTRACT and ours is not packfn.DEFAULT_PACKED_SEQUENCE_CONTRACT
+    assert ours == drop_ins.DEFAULT_PACKED_SEQUENCE_CONTRACT and ours is not drop_ins.DEFAULT_PACKED_SEQUENCE_CONTRACT
     with warnings.catch_warnings(record=True) as upstream_warnings:
         warnings.simplefilter("always")
         assert upstream.resolve_packing_contract(theirs, "flash_attention_2") is theirs
