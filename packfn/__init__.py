@@ -15,7 +15,8 @@ to the host, and a compiled graph never specializes on a batch's contents.
   ``AttentionInputKind`` it consumes) and ``attention_inputs``, a backend's inputs;
 - the data side (:mod:`packfn.data`, host Python for loader workers): the packer ``pack_documents``,
   ``pack_stream``, ``suggest_budgets``, and the loader ``PackedDataset``;
-- distributed (:mod:`packfn.distributed`): ``shard_packed_batch`` and the local-query inputs of a rank.
+- distributed (:mod:`packfn.distributed`): ``shard_packed_batch`` (load-balanced or contiguous), the
+  local-query inputs of a rank and its attention work.
 
 Integrations stand on the core: :mod:`packfn.integrations.hf` (transformers),
 :mod:`packfn.integrations.megatron` (Megatron-core), :mod:`packfn.integrations.torchtune`. The NeMo
@@ -39,6 +40,7 @@ from packfn.data import (
 from packfn.distributed import (
     CPShard,
     CPVarlenMetadata,
+    cp_attention_work,
     cp_block_causal_mask,
     cp_document_block_mask,
     cp_varlen_metadata,
@@ -84,6 +86,7 @@ __all__ = [
     "batch_metadata",
     "block_causal_mask",
     "cache_key_tag",
+    "cp_attention_work",
     "cp_block_causal_mask",
     "cp_document_block_mask",
     "cp_varlen_metadata",

@@ -75,6 +75,7 @@ def _variants(inputs, world: int, rank: int, hidden: int, compile_static: bool):
             world=world,
             budget=budget,
             alignment=ALIGNMENT,
+            balance="contiguous",  # upstream's sharding
         )
 
     shard_jobs = {

@@ -1,4 +1,4 @@
-"""Hypothesis strategies for context-parallel shards of packed batches."""
+"""Hypothesis strategies for context-parallel shards of packed batches, and plain references for them."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ from hypothesis import strategies as st
 import packfn
 
 from tests.strategies_layout import length_tables
+
+BALANCES = ("rotated", "head_tail", "contiguous")
 
 
 class ShardCase(NamedTuple):
@@ -24,20 +26,27 @@ class ShardCase(NamedTuple):
     world: int
     budget: int
     alignment: int
+    balance: str
 
-    def kwargs(self) -> dict:
-        fields = self._asdict()
-        return {
-            name: fields[name] for name in ("input_ids", "labels", "loss_mask", "rank", "world", "budget", "alignment")
-        }
+    def kwargs(self, **changes) -> dict:
+        fields = {**self._asdict(), **changes}
+        names = ("input_ids", "labels", "loss_mask", "rank", "world", "budget", "alignment", "balance")
+        return {name: fields[name] for name in names}
+
+    @property
+    def unit(self) -> int:
+        """What the budget is a multiple of, and (balanced) what each document is rounded up to."""
+        return self.world * self.alignment * (1 if self.balance == "contiguous" else 2)
 
 
 @st.composite
-def shard_cases(draw, *, max_world: int = 4) -> ShardCase:
+def shard_cases(draw, *, max_world: int = 4, balances=BALANCES) -> ShardCase:
     """Valid length tables (absent slots, inner padding), 1..``max_world`` ranks and a budget every input fits.
 
-    The budget is the worst-case aligned length rounded up to a multiple of
-    ``world * alignment``, plus 0..2 more such multiples (rows with slack).
+    The budget is the worst-case aligned length (contiguous: any input of
+    the row length; balanced: these documents, each rounded up to
+    ``2 * world * alignment``) rounded up to its multiple, plus 0..2 more
+    such multiples (rows with slack).
     """
     lengths, spans, padded = draw(length_tables(max_batch=3, max_documents=5, max_length=12))
     batch = len(lengths)
@@ -51,9 +60,14 @@ def shard_cases(draw, *, max_world: int = 4) -> ShardCase:
     sequence = max(1, widest + draw(st.integers(0, 4)))
     world = draw(st.integers(1, max_world))
     alignment = draw(st.sampled_from([1, 2, 4]))
-    unit = world * alignment
-    fits = packfn.safe_budget(sequence, len(lengths[0]), alignment)
-    budget = (fits + unit - 1) // unit * unit + unit * draw(st.integers(0, 2))
+    balance = draw(st.sampled_from(balances))
+    if balance == "contiguous":
+        unit = world * alignment
+        fits = packfn.safe_budget(sequence, len(lengths[0]), alignment)
+    else:
+        unit = 2 * world * alignment
+        fits = max(sum(-(-max(length, 0) // unit) * unit for length in row) for row in lengths)
+    budget = max(unit, (fits + unit - 1) // unit * unit) + unit * draw(st.integers(0, 2))
     seed = draw(st.integers(0, 2**16))
     generator = torch.Generator().manual_seed(seed)
     return ShardCase(
@@ -66,4 +80,58 @@ def shard_cases(draw, *, max_world: int = 4) -> ShardCase:
         world=world,
         budget=budget,
         alignment=alignment,
+        balance=balance,
     )
+
+
+# ------------------------------------------------------------------ references
+
+
+def reference_row(case: ShardCase) -> packfn.PackedSequenceLayout:
+    """The whole packed row, in row order: aligned at ``alignment`` (contiguous) or at ``2 * world * alignment``."""
+    alignment = case.alignment if case.balance == "contiguous" else case.unit
+    return packfn.aligned_layout(
+        case.seq_lens,
+        case.seq_lens_padded,
+        sequence_length=case.input_ids.shape[1],
+        alignment=alignment,
+        budget=case.budget,
+    )
+
+
+def head_tail_columns(widths: list[int], world: int, rank: int, rotation: list[int] | None = None) -> list[int]:
+    """Megatron's documented Transformer Engine partition, by loops: chunks ``p`` and ``2W - 1 - p`` of each span.
+
+    Each span (a document's width, then the row's padding) is cut into
+    ``2 * world`` equal chunks; rank ``rank`` takes, in span order, chunk
+    ``p`` and chunk ``2 * world - 1 - p`` of each, with ``p = rank`` (pure
+    head-tail) or ``p = (rank + rotation[k]) % world``.
+    """
+    columns, start = [], 0
+    for k, width in enumerate(widths):
+        chunk = width // (2 * world)
+        pair = rank if rotation is None else (rank + rotation[k]) % world
+        for index in (pair, 2 * world - 1 - pair):
+            columns += range(start + index * chunk, start + (index + 1) * chunk)
+        start += width
+    return columns
+
+
+def reference_columns(case: ShardCase) -> torch.Tensor:
+    """int64 ``[batch, budget]``: the row column of each gathered column (every rank's shard in rank order)."""
+    if case.balance == "contiguous":
+        return torch.arange(case.budget).expand(case.seq_lens.shape[0], -1)
+    rows = []
+    count = 0  # present documents before this one, batch-major (the rotation)
+    for lengths in case.seq_lens.reshape(case.seq_lens.shape[0], -1).tolist():
+        widths = [-(-max(length, 0) // case.unit) * case.unit for length in lengths]
+        rotation = []
+        for length in lengths:
+            rotation.append(count % case.world if case.balance == "rotated" else 0)
+            count += length > 0
+        widths.append(case.budget - sum(widths))
+        rotation.append(0)
+        rows.append(
+            [column for rank in range(case.world) for column in head_tail_columns(widths, case.world, rank, rotation)]
+        )
+    return torch.tensor(rows, dtype=torch.int64)

@@ -1,11 +1,17 @@
-"""Contiguous context parallelism of packed batches, with static shapes and no host read.
+"""Context parallelism of packed batches, with static shapes and no host read.
 
 A packed batch is laid out in aligned rows (:func:`packfn.aligned_layout`)
 of a fixed row budget ``budget``. With context parallelism over ``world``
-ranks, rank ``r`` keeps the query columns ``[r * local, (r + 1) * local)``
-of every row, ``local = budget // world``, and attends the keys of the whole
-row, which it gathers from every rank (:func:`all_gather_sequence`). Example,
-``world=2``, ``alignment=2``, ``budget=8``, documents of 3 and 2 tokens::
+ranks, every rank keeps ``local = budget // world`` query columns of every
+row and attends the keys of the whole row, which it gathers from every rank
+(:func:`all_gather_sequence`). ``balance`` chooses which columns:
+
+- ``"rotated"`` (the default) and ``"head_tail"``: per-document head-tail
+  shards, which give every rank an equal share of the causal attention
+  work (:mod:`packfn.distributed.balanced`, with examples);
+- ``"contiguous"``: rank ``r`` keeps columns ``[r * local, (r + 1) * local)``.
+  Example, ``world=2``, ``alignment=2``, ``budget=8``, documents of 3 and 2
+  tokens::
 
     sequence_ids      = [[1, 1, 1, 0, 2, 2, 0, 0]]    (the whole row: keys)
     rank 0 (queries)  = [[1, 1, 1, 0]]                columns 0..3
@@ -17,7 +23,7 @@ every rank knows every length without a collective: no host read of a length
 and no all-reduce of it. :func:`cp_block_causal_mask`,
 :func:`cp_document_block_mask` and :func:`cp_varlen_metadata` build the
 local-query, global-key attention inputs of a rank from its
-:class:`CPShard`.
+:class:`CPShard`; :func:`cp_attention_work` counts its attended pairs.
 
 NeMo AutoModel's ``shard_cp_batch`` and ``gather_sequence``, reproduced
 exactly, are in :mod:`packfn.nemo_automodel`.
@@ -25,9 +31,11 @@ exactly, are in :mod:`packfn.nemo_automodel`.
 NOTE [Why the budget is a multiple of world * alignment]
 Each rank keeps ``budget // world`` columns. A multiple of ``alignment`` per
 rank keeps every compression group (an aligned block of ``alignment``
-columns) on one rank; equal shard
-lengths are what the all-gather of keys needs. So a budget that does not
-divide is a ``ValueError`` on every rank (a static check, no collective).
+columns) on one rank; equal shard lengths are what the all-gather of keys
+needs. A balanced shard cuts every document and the row's padding into
+``2 * world`` chunks of whole groups, so there the budget is a multiple of
+``2 * world * alignment``. A budget that does not divide is a
+``ValueError`` on every rank (a static check, no collective).
 """
 
 from __future__ import annotations
@@ -36,27 +44,25 @@ from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
-from torch.nn.attention.flex_attention import BlockMask
 
 from packfn._checks import check_int, check_positive_int, check_tensor
 from packfn._compat import AsyncCollectiveTensor, all_gather, all_gather_autograd
-from packfn._ops import varlen as _varlen_ops
+from packfn.distributed.balanced import BALANCES, BalancePlan, balanced_layout
 from packfn.layout import PackedSequenceLayout, aligned_layout
-from packfn.masks import document_block_mask
 
 __all__ = [
     "CPShard",
-    "CPVarlenMetadata",
-    "cp_block_causal_mask",
-    "cp_document_block_mask",
-    "cp_varlen_metadata",
     "all_gather_sequence",
     "shard_packed_batch",
 ]
 
 
 class CPShard(NamedTuple):
-    """One rank's contiguous query shard of a packed batch (``local = budget // world``).
+    """One rank's query shard of a packed batch (``local = budget // world``).
+
+    The gathered order of the row is the shards of ranks 0, 1, ... one
+    after the other, what :func:`all_gather_sequence` returns; for
+    ``balance="contiguous"`` it is the row itself.
 
     Attributes:
         input_ids: ``[batch, local]`` tokens, ``padding_token_id`` at padding (input dtype).
@@ -65,12 +71,17 @@ class CPShard(NamedTuple):
         position_ids: int64 ``[batch, local]``: position inside the document, 0 at padding.
         sequence_ids: int64 ``[batch, local]``: 1-based document slot, 0 at padding.
         padding_mask: bool ``[batch, local]``: True at padding.
-        key_sequence_ids: int64 ``[batch, budget]``: the sequence ids of the whole
-            row, the keys every rank attends (``layout.sequence_ids``).
-        layout: The :class:`packfn.PackedSequenceLayout` of the whole batch, to
-            restore gathered outputs to the input columns.
+        key_sequence_ids: int64 ``[batch, budget]``: the sequence ids of the
+            whole row in gathered order, the keys every rank attends
+            (``layout.sequence_ids``).
+        layout: The :class:`packfn.PackedSequenceLayout` of the whole batch
+            in gathered order: ``layout.restore`` of gathered outputs gives
+            the input columns, ``layout.position_ids`` the keys' positions.
         rank: This rank.
         world: Ranks in the context-parallel group.
+        balance: ``"rotated"``, ``"head_tail"`` or ``"contiguous"``.
+        plan: Where each document's chunks go (:class:`packfn.distributed.balanced.BalancePlan`),
+            None for ``"contiguous"``.
     """
 
     input_ids: torch.Tensor
@@ -83,6 +94,8 @@ class CPShard(NamedTuple):
     layout: PackedSequenceLayout
     rank: int
     world: int
+    balance: str = "contiguous"
+    plan: BalancePlan | None = None
 
     @property
     def local(self) -> int:
@@ -91,7 +104,7 @@ class CPShard(NamedTuple):
 
     @property
     def start(self) -> int:
-        """The first row column of this rank's queries, ``rank * local``."""
+        """The first gathered column of this rank's queries, ``rank * local``."""
         return self.rank * self.local
 
 
@@ -127,6 +140,7 @@ def shard_packed_batch(
     budget: int,
     alignment: int = 1,
     padding_token_id: int = 0,
+    balance: str = "rotated",
 ) -> CPShard:
     """Pack a batch into aligned rows of ``budget`` columns and keep this rank's query shard, with no host sync.
 
@@ -145,29 +159,48 @@ def shard_packed_batch(
         loss_mask: Optional ``[batch, sequence]`` loss mask.
         rank: This rank, in ``[0, world)``.
         world: Ranks in the context-parallel group.
-        budget: Aligned row length, a multiple of ``world * alignment``
-            (NOTE [Why the budget is a multiple of world * alignment]).
+        budget: Row length: a multiple of ``world * alignment`` for
+            ``"contiguous"``, of ``2 * world * alignment`` for the balanced
+            shards (NOTE [Why the budget is a multiple of world * alignment]).
         alignment: Alignment of document starts (the compression group).
         padding_token_id: Token written at padding.
+        balance: ``"rotated"`` (default): per-document head-tail chunks, the
+            chunk pair rotated from one document to the next (NOTE [Rotating
+            short documents]); ``"head_tail"``: chunks ``rank`` and
+            ``2 * world - 1 - rank`` of every document (torch's and
+            Megatron's order); ``"contiguous"``: columns
+            ``[rank * local, (rank + 1) * local)``. A balanced shard rounds
+            each document up to ``2 * world * alignment`` columns: pack with
+            ``pad_to_multiple_of=2 * world * alignment`` and
+            ``budget=sequence`` so that every batch fits.
 
     Returns:
-        :class:`CPShard`. For the module example, rank 1 holds
-        ``sequence_ids = [[2, 2, 0, 0]]`` and ``position_ids = [[0, 1, 0, 0]]``.
+        :class:`CPShard`. For the contiguous example of this module, rank 1
+        holds ``sequence_ids = [[2, 2, 0, 0]]`` and ``position_ids = [[0, 1, 0, 0]]``.
 
     Raises:
         TypeError: a non-tensor input or non-int static argument.
         ValueError: shapes that do not match, ``rank`` outside ``[0, world)``,
-            or a ``budget`` that is not a multiple of ``world * alignment``.
+            an unknown ``balance``, or a ``budget`` that is not a multiple of
+            ``world * alignment`` (``2 * world * alignment`` when balanced).
         RuntimeError: (sync-free asserts) the data errors of
             :func:`packfn.aligned_layout`, documents that do not fit ``budget`` included.
     """
     rank, world = _check_rank(rank, world)
     alignment = check_positive_int(alignment, "alignment")
     budget = check_positive_int(budget, "budget")
-    if budget % (world * alignment) != 0:
+    if balance not in BALANCES:
+        raise ValueError(f"balance must be one of {', '.join(map(repr, BALANCES))}, got {balance!r}")
+    if balance == "contiguous" and budget % (world * alignment) != 0:
         raise ValueError(
             f"budget={budget} must be a multiple of world * alignment = {world} * {alignment} = {world * alignment}: "
             "each rank keeps budget // world columns, a whole number of aligned groups"
+        )
+    if balance != "contiguous" and budget % (2 * world * alignment) != 0:
+        raise ValueError(
+            f"budget={budget} must be a multiple of 2 * world * alignment = 2 * {world} * {alignment} = "
+            f"{2 * world * alignment} for balance={balance!r}: the row's padding is cut into 2 * world chunks "
+            "of whole aligned groups"
         )
     if not isinstance(input_ids, torch.Tensor) or input_ids.ndim != 2:
         shape = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
@@ -188,7 +221,19 @@ def shard_packed_batch(
     check_int(padding_token_id, "padding_token_id")
     if labels.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"labels must be an int32 or int64 tensor (padding is labelled -100), got {labels.dtype}")
-    layout = aligned_layout(seq_lens, seq_lens_padded, sequence_length=shape[1], alignment=alignment, budget=budget)
+    plan = None
+    if balance == "contiguous":
+        layout = aligned_layout(seq_lens, seq_lens_padded, sequence_length=shape[1], alignment=alignment, budget=budget)
+    else:
+        layout, plan = balanced_layout(
+            seq_lens,
+            seq_lens_padded,
+            sequence_length=shape[1],
+            alignment=alignment,
+            budget=budget,
+            world=world,
+            rotate=balance == "rotated",
+        )
     local = budget // world
     columns = slice(rank * local, (rank + 1) * local)
     source = layout.source_indices[:, columns]
@@ -204,152 +249,8 @@ def shard_packed_batch(
         layout=layout,
         rank=rank,
         world=world,
-    )
-
-
-def _check_shard(shard: object) -> CPShard:
-    if not isinstance(shard, CPShard):
-        raise TypeError(f"shard must be a CPShard (from shard_packed_batch), got {type(shard).__name__}")
-    return shard
-
-
-def cp_block_causal_mask(shard: CPShard) -> torch.Tensor:
-    """Build this rank's rows of the block-causal mask: local queries against the whole row's keys.
-
-    Args:
-        shard: This rank's :class:`CPShard`.
-
-    Returns:
-        Bool ``[batch, 1, local, budget]``: True where local query ``i``
-        (row column ``start + i``) may attend key ``j``: same document,
-        ``j <= start + i``, both real tokens. Rows ``start:start + local`` of
-        :func:`packfn.block_causal_mask` of ``shard.key_sequence_ids``.
-
-    Raises:
-        TypeError: ``shard`` is not a :class:`CPShard`.
-    """
-    shard = _check_shard(shard)
-    keys = shard.key_sequence_ids
-    queries = shard.sequence_ids
-    device = keys.device
-    query_positions = torch.arange(shard.start, shard.start + shard.local, device=device)
-    causal = torch.arange(keys.shape[1], device=device) <= query_positions[:, None]
-    same = (queries[:, :, None] == keys[:, None, :]) & (queries != 0)[:, :, None]
-    return (same & causal).unsqueeze(1)
-
-
-def cp_document_block_mask(shard: CPShard, *, block_size: int = 128) -> BlockMask:
-    """Build this rank's FlexAttention ``BlockMask``: ``local`` queries against ``budget`` keys.
-
-    The query blocks of this rank, taken from :func:`packfn.document_block_mask`
-    of the whole row, with a ``mask_mod`` that offsets query indices by
-    ``start``. Equal to ``create_block_mask`` of that ``mask_mod`` with
-    ``Q_LEN=local``, ``KV_LEN=budget``.
-
-    Args:
-        shard: This rank's :class:`CPShard`.
-        block_size: Query and key block size; must divide ``local``.
-
-    Returns:
-        A ``BlockMask`` with ``kv_num_blocks`` int32 ``[batch, 1, local // block_size]``
-        and ``kv_indices`` int32 ``[batch, 1, local // block_size, blocks]``.
-
-    Raises:
-        TypeError: ``shard`` is not a :class:`CPShard`.
-        ValueError: ``block_size`` is not positive or does not divide ``local``.
-    """
-    shard = _check_shard(shard)
-    block_size = check_positive_int(block_size, "block_size")
-    if shard.local % block_size != 0:
-        raise ValueError(f"block_size={block_size} must divide the local shard length {shard.local}")
-    whole = document_block_mask(shard.key_sequence_ids, block_size=block_size)
-    blocks = slice(shard.start // block_size, (shard.start + shard.local) // block_size)
-    start = shard.start
-    row_mask_mod = whole.mask_mod
-
-    def mask_mod(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
-        return row_mask_mod(b, h, q_idx + start, kv_idx)
-
-    return BlockMask.from_kv_blocks(
-        whole.kv_num_blocks[:, :, blocks],
-        whole.kv_indices[:, :, blocks],
-        whole.full_kv_num_blocks[:, :, blocks],
-        whole.full_kv_indices[:, :, blocks],
-        BLOCK_SIZE=block_size,
-        mask_mod=mask_mod,
-        seq_lengths=(shard.local, shard.key_sequence_ids.shape[1]),
-    )
-
-
-class CPVarlenMetadata(NamedTuple):
-    """Varlen inputs for local queries ``[batch * local]`` against gathered keys ``[batch * budget]``.
-
-    Segment ``k`` pairs queries ``cu_seqlens_q[k]:cu_seqlens_q[k + 1]`` with
-    keys ``cu_seqlens_k[k]:cu_seqlens_k[k + 1]``, causal aligned bottom-right
-    (flash-attn >= 2.1: the last query sees the last key).
-
-    Attributes:
-        cu_seqlens_q: int32 ``[batch * budget + 1]``: query boundaries, then
-            ``batch * local`` repeated.
-        cu_seqlens_k: int32 ``[batch * budget + 1]``: key boundaries over the
-            flattened gathered rows (every physical segment, cut at the end of
-            this rank's queries), then ``batch * budget`` repeated.
-        max_seqlen_q: int32 0-d.
-        max_seqlen_k: int32 0-d.
-        max_seqlen_q_bound: Python int ``local``.
-        max_seqlen_k_bound: Python int ``budget``.
-    """
-
-    cu_seqlens_q: torch.Tensor
-    cu_seqlens_k: torch.Tensor
-    max_seqlen_q: torch.Tensor
-    max_seqlen_k: torch.Tensor
-    max_seqlen_q_bound: int
-    max_seqlen_k_bound: int
-
-
-def cp_varlen_metadata(shard: CPShard) -> CPVarlenMetadata:
-    """Build this rank's varlen boundaries, with static shapes and no host sync.
-
-    The keys are cut into physical segments (runs of one sequence id, padding
-    runs included, as :func:`packfn.physical_varlen_metadata`) and once more
-    at the end of this rank's queries, ``start + local``. A segment's queries
-    are its columns inside ``[start, start + local)``, so each segment ends
-    its keys at its last query or has no query: with bottom-right causal
-    alignment every query sees exactly the earlier keys of its document.
-    Segments before or after this rank's queries have no query (kernels skip
-    them).
-
-    Args:
-        shard: This rank's :class:`CPShard`.
-
-    Returns:
-        :class:`CPVarlenMetadata`. For rank 1 of the module example:
-        ``cu_seqlens_k = [0, 3, 4, 6, 8, 8, ...]``, ``cu_seqlens_q = [0, 0, 0, 2, 4, 4, ...]``.
-
-    Raises:
-        TypeError: ``shard`` is not a :class:`CPShard`.
-    """
-    shard = _check_shard(shard)
-    keys = shard.key_sequence_ids
-    budget = keys.shape[1]
-    end = shard.start + shard.local
-    # Doubling the ids and adding one from the end of the queries on makes
-    # the id change at that column and nowhere else new.
-    after = (torch.arange(budget, device=keys.device) >= end).to(keys.dtype)
-    segments = _varlen_ops.physical_varlen_metadata_op(keys * 2 + after)
-    bounds = segments.cu_seqlens.to(torch.int64)
-    first, last = bounds[:-1], bounds[1:]
-    row = torch.div(first, budget, rounding_mode="floor") * budget
-    queries = (torch.minimum(last, row + end) - torch.maximum(first, row + shard.start)).clamp_min(0)
-    cu_seqlens_q = torch.nn.functional.pad(queries.cumsum(0), (1, 0)).to(torch.int32)
-    return CPVarlenMetadata(
-        cu_seqlens_q=cu_seqlens_q,
-        cu_seqlens_k=segments.cu_seqlens,
-        max_seqlen_q=queries.max().to(torch.int32),
-        max_seqlen_k=segments.max_seqlen,
-        max_seqlen_q_bound=shard.local,
-        max_seqlen_k_bound=budget,
+        balance=balance,
+        plan=plan,
     )
 
 

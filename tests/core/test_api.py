@@ -34,6 +34,7 @@ CORE_NAMES = {
     "batch_metadata",
     "block_causal_mask",
     "cache_key_tag",
+    "cp_attention_work",
     "cp_block_causal_mask",
     "cp_document_block_mask",
     "cp_varlen_metadata",

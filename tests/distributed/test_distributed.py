@@ -4,7 +4,8 @@ Each world (2 and 4 ranks, ``torch.multiprocessing`` spawn, loopback) is
 spawned once for the module and runs every check of :data:`CHECKS` in
 order; each test then reads its check's outcome on every rank. Collectives
 time out after 30 s, and the parent kills any rank still running after
-:data:`DEADLINE` seconds, so nothing hangs.
+:data:`DEADLINE` seconds, so nothing hangs. Every sharded check runs for
+each ``balance`` (contiguous, per-document head-tail, rotated head-tail).
 
 The single-process references use only the existing packfn ops on the whole
 packed row (``aligned_layout``, ``block_causal_mask``,
@@ -33,9 +34,9 @@ from torch.distributed.device_mesh import init_device_mesh
 import packfn
 import packfn.nemo_automodel as drop_ins
 from packfn.distributed import (
+    all_gather_sequence,
     cp_block_causal_mask,
     cp_varlen_metadata,
-    all_gather_sequence,
     shard_packed_batch,
 )
 
@@ -45,6 +46,10 @@ from tests.references import masked_attention, varlen_attention
 WORLDS = (2, 4)
 DEADLINE = 120.0
 SEQUENCE, DOCUMENTS, BUDGET, ALIGNMENT, HIDDEN, VOCAB = 16, 3, 32, 2, 16, 32
+BALANCES = ("contiguous", "rotated", "head_tail")
+# A balanced shard rounds each document up to 2 * world * alignment columns (16 at world 4): three
+# documents take at most 48, so the balanced runs use a budget of 64.
+BUDGETS = {"contiguous": BUDGET, "rotated": 64, "head_tail": 64}
 
 
 # ------------------------------------------------------------ the harness
@@ -119,10 +124,18 @@ def assert_passed(ranks, name: str) -> None:
 
 
 def packed_inputs(seed: int):
-    """``seq_lens [2, 3]`` (absent slots included), tokens and labels ``[2, 16]``: the same on every rank."""
+    """``seq_lens [2, 3]`` (absent slots included), tokens and labels ``[2, 16]``: the same on every rank.
+
+    Seeds 4 and 5 are edge rows: one-token documents, documents shorter than
+    ``2 * world``, an all-padding row; seed 5 a document of more than one chunk.
+    """
     generator = torch.Generator().manual_seed(seed)
     seq_lens = torch.randint(0, 6, (2, DOCUMENTS), generator=generator)
     seq_lens[0, 1] = 0 if seed % 2 else seq_lens[0, 1]  # an absent slot
+    if seed == 4:
+        seq_lens = torch.tensor([[1, 1, 3], [0, 0, 0]])
+    if seed == 5:
+        seq_lens = torch.tensor([[0, 0, 0], [12, 1, 2]])
     tokens = torch.randint(1, VOCAB, (2, SEQUENCE), generator=generator)
     labels = torch.randint(0, VOCAB, (2, SEQUENCE), generator=generator)
     labels[:, ::5] = -100
@@ -166,14 +179,14 @@ def single_process_run(seed: int, kind: str):
     return loss.detach(), {name: param.grad for name, param in params.items()}
 
 
-def sharded_run(seed: int, kind: str, rank: int, world: int, step=None):
+def sharded_run(seed: int, kind: str, rank: int, world: int, balance: str, step=None):
     """Loss and gradients of the same batch sharded over the group, summed over ranks."""
     seq_lens, tokens, labels = packed_inputs(seed)
     params = parameters()
     count = (labels != -100).sum()
     if step is None:
         step = sharded_loss
-    loss = step(params, seq_lens, tokens, labels, count, rank, world, kind)
+    loss = step(params, seq_lens, tokens, labels, count, rank, world, kind, balance)
     loss.backward()
     dist.all_reduce(loss := loss.detach().clone())
     grads = {}
@@ -183,18 +196,37 @@ def sharded_run(seed: int, kind: str, rank: int, world: int, step=None):
     return loss, grads
 
 
-def sharded_loss(params, seq_lens, tokens, labels, count, rank, world, kind):
-    shard = shard_packed_batch(
-        seq_lens, input_ids=tokens, labels=labels, rank=rank, world=world, budget=BUDGET, alignment=ALIGNMENT
+def shard_of(seq_lens, tokens, labels, rank, world, balance):
+    budget = BUDGETS[balance]
+    return shard_packed_batch(
+        seq_lens,
+        input_ids=tokens,
+        labels=labels,
+        rank=rank,
+        world=world,
+        budget=budget,
+        alignment=ALIGNMENT,
+        balance=balance,
     )
-    if kind == "block_causal":
-        own = torch.arange(BUDGET) == torch.arange(shard.start, shard.start + shard.local)[:, None]
-        attend = masked_attention(cp_block_causal_mask(shard).squeeze(1) | own)
-    else:
-        metadata = cp_varlen_metadata(shard)
-        attend = varlen_attention(metadata.cu_seqlens_q, metadata.cu_seqlens_k)
+
+
+def sharded_attention(shard, kind: str):
+    """``(attend, gather)``: this rank's attention over the gathered keys, and the gather of keys and values."""
     group = dist.group.WORLD
-    return tiny_attention(params, shard.input_ids, shard.labels, attend, lambda t: all_gather_sequence(t, group), count)
+    if kind == "block_causal":
+        # Padding queries attend themselves (their gathered column), so no row of the mask is empty.
+        budget = shard.key_sequence_ids.shape[1]
+        own = torch.arange(budget) == torch.arange(shard.start, shard.start + shard.local)[:, None]
+        return masked_attention(cp_block_causal_mask(shard).squeeze(1) | own), lambda t: all_gather_sequence(t, group)
+    metadata = cp_varlen_metadata(shard)
+    attend = varlen_attention(metadata.cu_seqlens_q, metadata.cu_seqlens_k)
+    return attend, lambda t: metadata.keys(all_gather_sequence(t, group))
+
+
+def sharded_loss(params, seq_lens, tokens, labels, count, rank, world, kind, balance):
+    shard = shard_of(seq_lens, tokens, labels, rank, world, balance)
+    attend, gather = sharded_attention(shard, kind)
+    return tiny_attention(params, shard.input_ids, shard.labels, attend, gather, count)
 
 
 def assert_same_run(actual, expected) -> None:
@@ -206,14 +238,61 @@ def assert_same_run(actual, expected) -> None:
 # ---------------------------------------------------------------- checks
 
 
+# Seeds per balance: random rows and the edge rows (4 and 5), so that each balance meets both.
+SEEDS = {"contiguous": (0, 1, 4), "rotated": (1, 4, 5), "head_tail": (0, 5)}
+VARLEN_SEEDS = {"contiguous": (2, 3, 4), "rotated": (3, 4, 5), "head_tail": (2, 5)}
+
+
 def check_block_causal_matches_single_process(rank, world):
-    for seed in (0, 1):
-        assert_same_run(sharded_run(seed, "block_causal", rank, world), single_process_run(seed, "block_causal"))
+    for balance in BALANCES:
+        for seed in SEEDS[balance]:
+            expected = single_process_run(seed, "block_causal")
+            assert_same_run(sharded_run(seed, "block_causal", rank, world, balance), expected)
 
 
 def check_varlen_matches_single_process(rank, world):
-    for seed in (2, 3):
-        assert_same_run(sharded_run(seed, "varlen", rank, world), single_process_run(seed, "varlen"))
+    for balance in BALANCES:
+        for seed in VARLEN_SEEDS[balance]:
+            assert_same_run(sharded_run(seed, "varlen", rank, world, balance), single_process_run(seed, "varlen"))
+
+
+def check_restored_outputs_match_single_process(rank, world):
+    # The attention outputs of every rank, gathered and restored to the input columns, and the gradient of a
+    # loss on them: those of the whole row, restored the same way.
+    for balance in BALANCES:
+        for seed in (0, 5):
+            seq_lens, tokens, labels = packed_inputs(seed)
+            layout = packfn.aligned_layout(seq_lens, sequence_length=SEQUENCE, alignment=ALIGNMENT, budget=BUDGET)
+            weights = torch.randn(
+                2, SEQUENCE, HIDDEN, generator=torch.Generator().manual_seed(seed), dtype=torch.float64
+            )
+            runs = []
+            for sharded in (False, True):
+                params = parameters()
+                if sharded:
+                    shard = shard_of(seq_lens, tokens, labels, rank, world, balance)
+                    attend, gather = sharded_attention(shard, "block_causal")
+                    x = params["embed"][shard.input_ids]
+                    out = attend(x @ params["wq"], gather(x @ params["wk"]), gather(x @ params["wv"]))
+                    restored = shard.layout.restore(all_gather_sequence(out, dist.group.WORLD))
+                else:
+                    mask = packfn.block_causal_mask(layout.sequence_ids).squeeze(1) | torch.eye(BUDGET, dtype=bool)
+                    x = params["embed"][layout.pack(tokens)]
+                    restored = layout.restore(
+                        masked_attention(mask)(x @ params["wq"], x @ params["wk"], x @ params["wv"])
+                    )
+                (restored * weights).sum().backward()
+                grads = {name: param.grad.clone() for name, param in params.items() if param.grad is not None}
+                if sharded:
+                    for grad in grads.values():
+                        dist.all_reduce(grad)  # each rank's gradient is of its own queries' outputs
+                    grads = {name: grad / world for name, grad in grads.items()}  # every rank restored all
+                runs.append((restored.detach(), grads))
+            real = layout.input_positions >= 0
+            torch.testing.assert_close(runs[1][0][real], runs[0][0][real], atol=1e-10, rtol=1e-10)
+            assert not runs[1][0][~real].any()
+            for name in runs[0][1]:
+                torch.testing.assert_close(runs[1][1][name], runs[0][1][name], atol=1e-10, rtol=1e-10, msg=name)
 
 
 def check_compiled_step_matches_eager_without_recompiles(rank, world):
@@ -221,17 +300,19 @@ def check_compiled_step_matches_eager_without_recompiles(rank, world):
     # functional collectives included) exactly as for Inductor, without
     # Inductor's C++ compile, which takes minutes in 4 processes on 2 cores.
     # Inductor compiles the local part in tests/distributed/test_distributed_local.py.
-    torch._dynamo.reset()
-    compiled = torch.compile(sharded_loss, fullgraph=True, backend="aot_eager", dynamic=False)
-    try:
-        for seed in range(3):
-            assert_same_run(
-                sharded_run(seed, "block_causal", rank, world, step=compiled),
-                sharded_run(seed, "block_causal", rank, world),
-            )
-            torch._dynamo.config.error_on_recompile = True
-    finally:
-        torch._dynamo.config.error_on_recompile = False
+    # head_tail traces the graph of rotated with a zero rotation.
+    for balance in ("contiguous", "rotated"):
+        torch._dynamo.reset()
+        compiled = torch.compile(sharded_loss, fullgraph=True, backend="aot_eager", dynamic=False)
+        try:
+            for seed in (0, 1, 4):
+                assert_same_run(
+                    sharded_run(seed, "block_causal", rank, world, balance, step=compiled),
+                    sharded_run(seed, "block_causal", rank, world, balance),
+                )
+                torch._dynamo.config.error_on_recompile = True
+        finally:
+            torch._dynamo.config.error_on_recompile = False
 
 
 def check_gather_sequence_matches_upstream(rank, world):
@@ -324,6 +405,18 @@ def check_budget_not_divisible_by_world_raises(rank, world):
     budget = world * ALIGNMENT * 4 + ALIGNMENT  # a multiple of alignment, not of world * alignment
     with pytest.raises(ValueError, match=rf"budget={budget} must be a multiple of world \* alignment"):
         shard_packed_batch(
+            seq_lens,
+            input_ids=tokens,
+            labels=labels,
+            rank=rank,
+            world=world,
+            budget=budget,
+            alignment=ALIGNMENT,
+            balance="contiguous",
+        )
+    budget = world * ALIGNMENT * 5  # a multiple of world * alignment, not of 2 * world * alignment
+    with pytest.raises(ValueError, match=rf"budget={budget} must be a multiple of 2 \* world \* alignment"):
+        shard_packed_batch(
             seq_lens, input_ids=tokens, labels=labels, rank=rank, world=world, budget=budget, alignment=ALIGNMENT
         )
 
@@ -364,6 +457,7 @@ def check_gather_of_different_shapes_raises_on_every_rank(rank, world):
 CHECKS = {
     "block_causal": check_block_causal_matches_single_process,
     "varlen": check_varlen_matches_single_process,
+    "restore": check_restored_outputs_match_single_process,
     "compiled": check_compiled_step_matches_eager_without_recompiles,
     "gather_upstream": check_gather_sequence_matches_upstream,
     "shard_upstream": check_shard_cp_batch_matches_upstream,
@@ -382,6 +476,10 @@ def test_block_causal_loss_and_grads_equal_single_process(ranks):
 
 def test_varlen_loss_and_grads_equal_single_process(ranks):
     assert_passed(ranks, "varlen")
+
+
+def test_restored_outputs_and_their_grads_equal_single_process(ranks):
+    assert_passed(ranks, "restore")
 
 
 def test_compiled_sharded_step_fullgraph_without_recompiles(ranks):
@@ -422,7 +520,7 @@ CHECKS["die"] = _die
 
 
 def test_bench_cp_smoke_writes_a_row_per_job(tmp_path):
-    import bench_cp
+    from scripts import bench_cp
 
     path = tmp_path / "bench_cp.json"
     argv = ["--worlds", "2", "--sequences", "256", "--means", "64", "--repeats", "1", "--no-compile"]

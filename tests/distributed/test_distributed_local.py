@@ -1,9 +1,12 @@
 """One rank's side of context parallelism, in one process: shards and local-query attention inputs.
 
-Every property compares a rank's shard with the whole packed row built by the
-existing ops (``aligned_layout``, ``pack``, ``block_causal_mask``,
-``physical_varlen_metadata``, ``create_block_mask``). The multi-process runs
-are in ``tests/distributed/test_distributed.py``.
+Every property compares a rank's shard, for every ``balance``, with the whole
+packed row built by the existing ops (``aligned_layout``, ``pack``,
+``block_causal_mask``, ``create_block_mask``) read at the row columns that a
+plain reference gives each rank (``tests.strategies_distributed.reference_columns``:
+contiguous columns, or Megatron's head-tail partition rule by loops). The
+multi-process runs are in ``tests/distributed/test_distributed.py``; the
+balanced shards' own properties in ``tests/distributed/test_balanced.py``.
 """
 
 from __future__ import annotations
@@ -24,20 +27,11 @@ from packfn.distributed import (
 )
 
 from tests.assertions import assert_same
+from tests.compiling import generated_code, no_packfn_fallback
 from tests.references import varlen_dense_mask
-from tests.strategies_distributed import ShardCase, shard_cases
+from tests.strategies_distributed import ShardCase, reference_columns, reference_row, shard_cases
 
 SETTINGS = settings(max_examples=30)
-
-
-def whole_row(case: ShardCase) -> packfn.PackedSequenceLayout:
-    return packfn.aligned_layout(
-        case.seq_lens,
-        case.seq_lens_padded,
-        sequence_length=case.input_ids.shape[1],
-        alignment=case.alignment,
-        budget=case.budget,
-    )
 
 
 def shard_of(case: ShardCase) -> CPShard:
@@ -45,31 +39,50 @@ def shard_of(case: ShardCase) -> CPShard:
 
 
 def own_columns(case: ShardCase) -> slice:
+    """This rank's gathered columns."""
     local = case.budget // case.world
     return slice(case.rank * local, (case.rank + 1) * local)
+
+
+def at(values: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
+    """``values[b, columns[b, j]]``: a row-order table read in another order."""
+    return values.gather(1, columns)
 
 
 @SETTINGS
 @given(shard_cases())
 def test_shard_is_this_ranks_columns_of_the_packed_row(case):
-    layout = whole_row(case)
+    row = reference_row(case)
     shard = shard_of(case)
-    columns = own_columns(case)
-    assert_same(shard.input_ids, layout.pack(case.input_ids)[:, columns])
-    assert_same(shard.labels, layout.pack(case.labels, fill=-100)[:, columns])
-    assert_same(shard.loss_mask, layout.pack(case.loss_mask)[:, columns])
-    assert_same(shard.position_ids, layout.position_ids[:, columns])
-    assert_same(shard.sequence_ids, layout.sequence_ids[:, columns])
-    assert_same(shard.padding_mask, layout.sequence_ids[:, columns] == 0)
-    assert_same(shard.key_sequence_ids, layout.sequence_ids)
-    assert (shard.start, shard.local) == (columns.start, columns.stop - columns.start)
+    gathered = reference_columns(case)
+    columns = gathered[:, own_columns(case)]
+    assert_same(shard.input_ids, at(row.pack(case.input_ids), columns))
+    assert_same(shard.labels, at(row.pack(case.labels, fill=-100), columns))
+    assert_same(shard.loss_mask, at(row.pack(case.loss_mask), columns))
+    assert_same(shard.position_ids, at(row.position_ids, columns))
+    assert_same(shard.sequence_ids, at(row.sequence_ids, columns))
+    assert_same(shard.padding_mask, at(row.sequence_ids, columns) == 0)
+    assert_same(shard.key_sequence_ids, at(row.sequence_ids, gathered))
+    assert_same(shard.layout.position_ids, at(row.position_ids, gathered))
+    assert (shard.start, shard.local, shard.balance) == (
+        own_columns(case).start,
+        case.budget // case.world,
+        case.balance,
+    )
+    # The gathered layout restores gathered values to the input columns (pack's inverse on real tokens).
+    real = row.input_positions >= 0
+    restored = shard.layout.restore(shard.layout.pack(case.input_ids))
+    assert torch.equal(restored[real], case.input_ids[real])
+    assert not restored[~real].any()
 
 
 def test_shards_of_every_rank_make_the_row_example():
     seq_lens = torch.tensor([[3, 2]])
     tokens = torch.arange(10, 15)[None]
     shards = [
-        shard_packed_batch(seq_lens, input_ids=tokens, labels=tokens, rank=rank, world=2, budget=8, alignment=2)
+        shard_packed_batch(
+            seq_lens, input_ids=tokens, labels=tokens, rank=rank, world=2, budget=8, alignment=2, balance="contiguous"
+        )
         for rank in range(2)
     ]
     assert shards[0].sequence_ids.tolist() == [[1, 1, 1, 0]]
@@ -86,31 +99,57 @@ def test_shards_of_every_rank_make_the_row_example():
 @given(shard_cases())
 def test_cp_block_causal_mask_is_this_ranks_rows_of_the_whole_mask(case):
     shard = shard_of(case)
-    expected = packfn.block_causal_mask(whole_row(case).sequence_ids)[:, :, own_columns(case)]
-    assert_same(cp_block_causal_mask(shard), expected)
+    gathered = reference_columns(case)
+    whole = packfn.block_causal_mask(reference_row(case).sequence_ids).squeeze(1)
+    queries = gathered[:, own_columns(case)]
+    rows = whole.gather(1, queries.unsqueeze(2).expand(-1, -1, case.budget))
+    expected = rows.gather(2, gathered.unsqueeze(1).expand(-1, queries.shape[1], -1))
+    assert_same(cp_block_causal_mask(shard), expected.unsqueeze(1))
+
+
+def varlen_mask_on_gathered_keys(metadata, batch: int, local: int, budget: int) -> torch.Tensor:
+    """Bool ``[batch * local, batch * budget]``: what the varlen kernel attends, each key buffer column mapped to
+    the gathered column it copies."""
+    attended = varlen_dense_mask(
+        metadata.cu_seqlens_q, metadata.cu_seqlens_k, batch * local, batch * metadata.key_length
+    )
+    if metadata.key_tables is None:
+        return attended
+    tables = metadata.key_tables
+    source = torch.where(tables.first_source >= 0, tables.first_source, tables.second_source)
+    assert (source >= 0).all()  # every buffer column copies a key
+    flat = (source + torch.arange(batch)[:, None] * budget).flatten()
+    mapped = torch.zeros(batch * local, batch * budget, dtype=torch.bool)
+    for column in range(flat.shape[0]):
+        mapped[:, flat[column]] |= attended[:, column]
+    return mapped
 
 
 @SETTINGS
 @given(shard_cases())
-def test_cp_varlen_metadata_attends_as_the_whole_rows_physical_segments(case):
+def test_cp_varlen_metadata_attends_exactly_the_earlier_keys_of_each_querys_document(case):
     shard = shard_of(case)
     metadata = cp_varlen_metadata(shard)
     batch, budget = shard.key_sequence_ids.shape
-    local = shard.local
-    assert metadata.cu_seqlens_q.shape == metadata.cu_seqlens_k.shape == (batch * budget + 1,)
+    local, key_length = shard.local, metadata.key_length
+    segments = batch * budget if case.balance == "contiguous" else batch * 2 * (case.seq_lens.shape[-1] + 1)
+    assert key_length == (budget if case.balance == "contiguous" else budget + budget // (2 * case.world))
+    assert metadata.cu_seqlens_q.shape == metadata.cu_seqlens_k.shape == (segments + 1,)
     assert metadata.cu_seqlens_q.dtype == metadata.cu_seqlens_k.dtype == torch.int32
-    assert (int(metadata.cu_seqlens_q[-1]), int(metadata.cu_seqlens_k[-1])) == (batch * local, batch * budget)
+    assert (int(metadata.cu_seqlens_q[-1]), int(metadata.cu_seqlens_k[-1])) == (batch * local, batch * key_length)
     assert (metadata.max_seqlen_q_bound, metadata.max_seqlen_k_bound) == (local, budget)
-    # The whole row's physical varlen mask, at this rank's query rows.
-    whole = packfn.physical_varlen_metadata(whole_row(case).sequence_ids).cu_seqlens
-    expected = varlen_dense_mask(whole, whole, batch * budget, batch * budget)
-    rows = (torch.arange(batch)[:, None] * budget + torch.arange(shard.start, shard.start + local)).flatten()
-    actual = varlen_dense_mask(metadata.cu_seqlens_q, metadata.cu_seqlens_k, batch * local, batch * budget)
-    assert torch.equal(actual, expected[rows])
+    # Every real query attends exactly its row of the dense mask (padding queries attend what they like).
+    dense = cp_block_causal_mask(shard).squeeze(1)
+    expected = torch.block_diag(*dense) if batch > 1 else dense[0]
+    actual = varlen_mask_on_gathered_keys(metadata, batch, local, budget)
+    real = (shard.sequence_ids != 0).flatten()
+    assert torch.equal(actual[real], expected[real])
     lengths_q = metadata.cu_seqlens_q[1:] - metadata.cu_seqlens_q[:-1]
     lengths_k = metadata.cu_seqlens_k[1:] - metadata.cu_seqlens_k[:-1]
     assert int(metadata.max_seqlen_q) == int(lengths_q.max())
     assert int(metadata.max_seqlen_k) == int(lengths_k.max())
+    assert int(lengths_q.max()) <= local and int(lengths_k.max()) <= budget
+    assert ((lengths_q == 0) | (lengths_q <= lengths_k)).all()  # bottom-right alignment never drops a query
 
 
 @SETTINGS
@@ -118,12 +157,13 @@ def test_cp_varlen_metadata_attends_as_the_whole_rows_physical_segments(case):
 def test_cp_document_block_mask_equals_create_block_mask(case, data):
     shard = shard_of(case)
     block_size = data.draw(st.sampled_from([size for size in range(1, shard.local + 1) if shard.local % size == 0]))
-    sequence_ids = shard.key_sequence_ids
+    sequence_ids, positions = shard.key_sequence_ids, shard.layout.position_ids
     start = shard.start
 
     def mask_mod(b, h, q_idx, kv_idx):
         query = sequence_ids[b, q_idx + start]
-        return (query == sequence_ids[b, kv_idx]) & (query != 0) & (q_idx + start >= kv_idx)
+        causal = positions[b, kv_idx] <= positions[b, q_idx + start]
+        return (query == sequence_ids[b, kv_idx]) & (query != 0) & causal
 
     batch, budget = sequence_ids.shape
     expected = create_block_mask(mask_mod, batch, 1, shard.local, budget, device="cpu", BLOCK_SIZE=block_size)
@@ -141,22 +181,33 @@ def test_cp_document_block_mask_equals_create_block_mask(case, data):
 
 
 def test_local_part_compiles_with_inductor_without_recompiles():
-    # The per-rank part of a sharded step (shard, masks, varlen boundaries) under Inductor;
-    # tests/distributed/test_distributed.py compiles the whole step, collectives included.
+    # The per-rank part of a sharded step (shard, masks, varlen boundaries and keys, the restore), contiguous
+    # and balanced in one graph, under Inductor; tests/distributed/test_distributed.py compiles the whole
+    # step, collectives included.
     torch._dynamo.reset()
 
-    def local_step(seq_lens, tokens):
-        shard = shard_packed_batch(seq_lens, input_ids=tokens, labels=tokens, rank=1, world=2, budget=32, alignment=4)
-        metadata = cp_varlen_metadata(shard)
-        return shard.input_ids, shard.position_ids, cp_block_causal_mask(shard), metadata.cu_seqlens_q
+    def local_step(seq_lens, tokens, keys):
+        outputs = []
+        for balance in ("contiguous", "rotated"):
+            shard = shard_packed_batch(
+                seq_lens, input_ids=tokens, labels=tokens, rank=1, world=2, budget=64, alignment=4, balance=balance
+            )
+            metadata = cp_varlen_metadata(shard)
+            outputs += [shard.input_ids, shard.position_ids, cp_block_causal_mask(shard), metadata.cu_seqlens_q]
+            outputs += [metadata.cu_seqlens_k, metadata.keys(keys), shard.layout.restore(keys)]
+        return outputs
 
     compiled = torch.compile(local_step, fullgraph=True, dynamic=False)
     generator = torch.Generator().manual_seed(0)
     try:
-        for _ in range(3):
+        for step in range(3):
             seq_lens = torch.randint(0, 5, (2, 3), generator=generator)
             tokens = torch.randint(1, 100, (2, 12), generator=generator)
-            assert_same(compiled(seq_lens, tokens), local_step(seq_lens, tokens))
+            keys = torch.randn(2, 64, 3, generator=generator)
+            with generated_code() as codes:
+                assert_same(compiled(seq_lens, tokens, keys), local_step(seq_lens, tokens, keys))
+            if step == 0:
+                no_packfn_fallback("\n".join(codes))  # every op decomposed (pack / restore included)
             torch._dynamo.config.error_on_recompile = True
     finally:
         torch._dynamo.config.error_on_recompile = False
@@ -191,6 +242,7 @@ TOKENS = torch.arange(5)[None]
 )
 def test_shard_packed_batch_argument_errors(kwargs, error, message):
     arguments = {"input_ids": TOKENS, "labels": TOKENS, "rank": 0, "world": 2, "budget": 8, "alignment": 2}
+    arguments["balance"] = "contiguous"
     arguments.update(kwargs)
     seq_lens = arguments.pop("seq_lens", SEQ_LENS)
     with pytest.raises(error, match=message):
@@ -206,11 +258,14 @@ def test_documents_past_the_budget_trip_the_layout_assert():
             rank=0,
             world=2,
             budget=8,
+            balance="contiguous",
         )
 
 
 def test_attention_builders_reject_other_inputs():
-    shard = shard_packed_batch(SEQ_LENS, input_ids=TOKENS, labels=TOKENS, rank=0, world=2, budget=8, alignment=2)
+    shard = shard_packed_batch(
+        SEQ_LENS, input_ids=TOKENS, labels=TOKENS, rank=0, world=2, budget=8, alignment=2, balance="contiguous"
+    )
     for builder in (cp_block_causal_mask, cp_varlen_metadata, cp_document_block_mask):
         with pytest.raises(TypeError, match="shard must be a CPShard"):
             builder(shard.key_sequence_ids)
