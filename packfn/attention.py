@@ -1,6 +1,6 @@
 """Attention backends: what each needs from a document-id mask, in one table, and the inputs of one.
 
-The packing format is described once, in :mod:`packfn._ops.metadata`. An
+The packing format is described once, in :mod:`packfn.metadata`. An
 attention backend is a name in :data:`ATTENTION_BACKENDS`, mapped to the
 :data:`AttentionInputKind` it consumes. :func:`attention_inputs` builds those
 inputs for a backend, and :func:`packfn.integrations.hf.hf_model_inputs`

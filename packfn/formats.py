@@ -1,6 +1,6 @@
 """Conversions between the packing formats pipelines hand a model and packfn's document ids.
 
-The packing format is described once, in :mod:`packfn._ops.metadata`. Every
+The packing format is described once, in :mod:`packfn.metadata`. Every
 function here is static (shapes from input shapes and static arguments), reads
 nothing back to the host, and checks data rules with sync-free asserts that
 name the broken rule. For the example mask

@@ -1,6 +1,6 @@
 """Attention masks of a packed batch: the dense block-causal mask and FlexAttention's.
 
-The packing format is described once, in :mod:`packfn._ops.metadata`; the
+The packing format is described once, in :mod:`packfn.metadata`; the
 mask is ``document_ids``. A query attends the keys of its row that are not
 after it and carry its id; padding attends nothing and nothing attends it.
 For the example mask ``[[1, 1, 2, 2, 2, 0], [1, 1, 1, 1, 0, 0]]``, query 3

@@ -1,6 +1,6 @@
 """Varlen inputs of a packed batch: physical boundaries over the flattened stream, and unpad / pad.
 
-The packing format is described once, in :mod:`packfn._ops.metadata`. For
+The packing format is described once, in :mod:`packfn.metadata`. For
 the example mask ``[[1, 1, 2, 2, 2, 0], [1, 1, 1, 1, 0, 0]]``:
 
 - ``"flash_varlen"`` (:data:`packfn.AttentionInputKind`): physical boundaries over

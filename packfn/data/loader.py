@@ -557,10 +557,14 @@ def _tensors(packed: Window, rows: torch.Tensor, store, dataset: PackedDataset) 
     target = token_positions(pieces.row * sequence + pieces.column, pieces.length)
     input_ids = torch.full((batch * sequence,), dataset.padding_token_id, dtype=torch.int64)
     input_ids.index_copy_(0, target, tokens.index_select(0, source))
-    label_row = torch.full((batch * sequence,), IGNORE_INDEX, dtype=torch.int64)
-    label_row.index_copy_(0, target, (tokens if labels is None else labels).index_select(0, source))
-    input_ids, label_row = input_ids.view(batch, sequence), label_row.view(batch, sequence)
+    input_ids = input_ids.view(batch, sequence)
     document_ids = result.document_ids
+    if labels is None:  # the labels are the tokens: the pieces' tokens are where the ids are not 0
+        label_row = input_ids.masked_fill(document_ids == 0, IGNORE_INDEX)
+    else:
+        label_row = torch.full((batch * sequence,), IGNORE_INDEX, dtype=torch.int64)
+        label_row.index_copy_(0, target, labels.index_select(0, source))
+        label_row = label_row.view(batch, sequence)
     # The packer's ids obey the mask rules: the op's rule flags need no check.
     positions, next_token, _ = _format_ops.document_positions_op(document_ids)
     slots = pieces.row * cap + pieces.slot

@@ -1,11 +1,12 @@
 """Hugging Face transformers: a packed batch as a model's keyword arguments, in one call.
 
 :func:`hf_model_inputs` turns a document-id mask (the packing format of
-:mod:`packfn._ops.metadata`) into what a transformers causal LM needs to
+:mod:`packfn.metadata`) into what a transformers causal LM needs to
 treat every document as a sequence of its own: position ids that restart
 per document (:func:`packfn.packed_position_ids`), the attention input of the
-model's ``attn_implementation``, and labels that never ask a document to
-predict the next one. The mask is checked and parsed once (NOTE [Check
+model's ``attn_implementation`` (looked up in packfn's one registry of
+backends, :data:`packfn.ATTENTION_BACKENDS`), and labels that never ask a
+document to predict the next one. The mask is checked and parsed once (NOTE [Check
 once] in :mod:`packfn._ops.metadata`). It reads the model's config (attention backend, sliding
 windows, layer types) and never imports transformers; under
 ``torch.compile(fullgraph=True)`` it adds no graph break and no host sync.
@@ -207,20 +208,25 @@ def hf_model_inputs(
       padding and at each document's first token, the same targets once
       shifted where no padding sits inside a document (for a loss that reads
       ``labels`` only).
-    - By ``attn_implementation`` (default ``config._attn_implementation``):
+    - By ``attn_implementation`` (default ``config._attn_implementation``),
+      the :data:`packfn.AttentionInputKind` it has in
+      :data:`packfn.ATTENTION_BACKENDS` (register another backend there):
 
-      - ``"sdpa"``: ``attention_mask``, the bool block-causal mask
+      - ``"block_causal"`` (``"sdpa"``): ``attention_mask``, the bool mask
         ``[batch, 1, sequence, sequence]`` (:func:`packfn.block_causal_mask`);
-      - ``"eager"``: the same mask, additive in ``dtype``;
-      - ``"flex_attention"``: ``attention_mask``, a ``BlockMask``
+      - ``"additive_mask"`` (``"eager"``): the same mask, additive in ``dtype``;
+      - ``"block_mask"`` (``"flex_attention"``): ``attention_mask``, a ``BlockMask``
         (:func:`packfn.document_block_mask` with ``block_size``);
-      - ``"flash_attention_2"`` / ``"_3"`` / ``"_4"``: ``cu_seq_lens_q``,
-        ``cu_seq_lens_k``, ``max_length_q``, ``max_length_k``: the static
-        physical boundaries of :func:`packfn.physical_varlen_metadata` over the
-        flattened ``[batch * sequence]`` stream (every padding run a segment
-        of its own, ``max_length_*`` the bound ``sequence``). A document with
+      - ``"flash_varlen"`` (``"flash_attention_2"`` / ``"_3"`` / ``"_4"``):
+        ``cu_seq_lens_q``, ``cu_seq_lens_k``, ``max_length_q``,
+        ``max_length_k``: the static physical boundaries of
+        :func:`packfn.physical_varlen_metadata` over the flattened
+        ``[batch * sequence]`` stream (every padding run a segment of its
+        own, ``max_length_*`` the bound ``sequence``). A document with
         padding inside it is cut there, as upstream's varlen path cuts it;
-        pack documents contiguously for flash attention.
+        pack documents contiguously for flash attention;
+      - ``"document_ids"``: ``attention_mask``, ``document_ids`` itself, for
+        a kernel that reads the ids (and applies windows itself).
 
       With sliding windows (``sliding_window``, by default
       ``config.sliding_window``; per layer type where the config lists
@@ -240,8 +246,8 @@ def hf_model_inputs(
     is the one read. What no mask can match is refused with a
     ``ValueError``: ``use_bidirectional_attention=True`` on Gemma and Gemma2
     (their masks stay causal while their attention modules flip), flex
-    attention with bidirectional or chunked layers, flash attention with
-    chunked layers shorter than the row, Llama 4's
+    attention with bidirectional or chunked layers, flash (or document-id)
+    attention with chunked layers shorter than the row, Llama 4's
     ``attn_temperature_tuning`` on rows of ``floor_scale`` columns or more,
     ``labels`` of a bidirectional model, and layer types with recurrent
     state or sparse selection.
@@ -273,11 +279,12 @@ def hf_model_inputs(
 
     Raises:
         ValueError: a malformed mask, pass-through tensors not shaped
-            ``[batch, sequence]``, an attention implementation or layer type
-            not listed above, or none set, or a config no mask can match
-            (above).
+            ``[batch, sequence]``, an attention implementation not in
+            :data:`packfn.ATTENTION_BACKENDS` or none set, a layer type not
+            listed above, or a config no mask can match (above).
         TypeError: a non-integer ``block_size`` or sliding window, labels
-            not int32 / int64, input ids not integer, a non-floating ``dtype``.
+            not int32 / int64, input ids not integer, a non-floating ``dtype``,
+            an ``attn_implementation`` that is not a str.
         RuntimeError: (a sync-free assert) negative or decreasing ids.
     """
     check_mask(document_ids)

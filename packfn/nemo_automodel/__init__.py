@@ -6,7 +6,8 @@ the core (:mod:`packfn`) followed by one trim, an unbacked size under
 ``torch.compile`` / ``torch.export``, never a graph break. On CPU tensors in
 eager, where no device waits, the metadata drop-ins work at exact sizes from
 the start (NOTE [Exact sizes on the CPU] in :mod:`.metadata`). Use the core
-where shapes must stay static (compiled forwards, CUDA graphs).
+where shapes must stay static (compiled forwards, CUDA graphs), or, for the
+collater's keys of a contract, ``packed_attention_inputs(..., static=True)``.
 
 ====================================================  ==========================================
 upstream (``nemo_automodel.components...``)          here
