@@ -133,7 +133,7 @@ def ignore_first_tokens(labels: torch.Tensor, document_ids: torch.Tensor, positi
         position_ids: ``[batch, sequence]`` position ids that restart at 0 on
             each document's first valid token (:func:`packed_position_ids`).
     """
-    return labels.masked_fill((position_ids == 0) | (document_ids == 0), IGNORE_INDEX)
+    return torch.where((position_ids == 0) | (document_ids == 0), IGNORE_INDEX, labels)
 
 
 def _checked(ids_and_flags: tuple[torch.Tensor, torch.Tensor], rules: tuple[Rule, ...]) -> torch.Tensor:

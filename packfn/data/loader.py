@@ -560,7 +560,7 @@ def _tensors(packed: Window, rows: torch.Tensor, store, dataset: PackedDataset) 
     input_ids = input_ids.view(batch, sequence)
     document_ids = result.document_ids
     if labels is None:  # the labels are the tokens: the pieces' tokens are where the ids are not 0
-        label_row = input_ids.masked_fill(document_ids == 0, IGNORE_INDEX)
+        label_row = torch.where(document_ids == 0, IGNORE_INDEX, input_ids)
     else:
         label_row = torch.full((batch * sequence,), IGNORE_INDEX, dtype=torch.int64)
         label_row.index_copy_(0, target, labels.index_select(0, source))

@@ -37,7 +37,7 @@ from packfn._ops._registry import assert_rules
 from packfn._ops.metadata import mask_rules
 from packfn.attention import AttentionInputKind, attention_backend, attention_inputs, passthrough_inputs
 from packfn.data.examples import token_tensor
-from packfn.formats import document_ids_from_seq_lens, ignore_first_tokens, packed_position_ids, shift_labels
+from packfn.formats import document_ids_from_seq_lens, ignore_first_tokens, shift_labels
 from packfn.masks import additive_mask, check_window, checked_block_mask
 
 __all__ = ["PackedCausalLM", "PackedCollator", "hf_model_inputs"]
@@ -388,7 +388,7 @@ class PackedCollator:
         if rows == 0:
             raise ValueError("PackedCollator got no features (a batch needs at least one row)")
         input_ids = torch.full((rows, self.sequence), self.pad_token_id, dtype=torch.int64)
-        labels = torch.full((rows, self.sequence), -100, dtype=torch.int64)
+        given = []  # the rows whose feature has labels, with them
         tables = []
         for row, feature in enumerate(features):
             if not isinstance(feature, Mapping) or feature.get("input_ids") is None:
@@ -397,11 +397,11 @@ class PackedCollator:
             count = tokens.numel()
             if count > self.sequence:
                 raise ValueError(f"feature {row} holds {count} tokens, more than sequence={self.sequence}")
-            targets = tokens
             if feature.get("labels") is not None:
                 targets = token_tensor(feature["labels"], row, "labels", kind="feature")
                 if targets.numel() != count:
                     raise ValueError(f"feature {row}: its {targets.numel()} labels do not match its {count} tokens")
+                given.append((row, targets))
             lengths = feature.get("seq_lengths", feature.get("seq_lens", [count]))
             lengths = token_tensor(lengths, row, "seq_lengths", kind="feature")
             if bool((lengths < 0).any()):
@@ -409,14 +409,19 @@ class PackedCollator:
             if int(lengths.sum()) != count:
                 raise ValueError(f"feature {row}: its lengths {lengths.tolist()} do not add up to its {count} tokens")
             input_ids[row, :count] = tokens
-            labels[row, :count] = targets
             tables.append(lengths)
         width = max(1, max(table.numel() for table in tables))
         seq_lens = torch.zeros(rows, width, dtype=torch.int64)
         for row, table in enumerate(tables):
             seq_lens[row, : table.numel()] = table
         document_ids = document_ids_from_seq_lens(seq_lens, self.sequence)
-        labels = ignore_first_tokens(labels, document_ids, packed_position_ids(document_ids))
+        labels = input_ids  # a row without labels learns its tokens (ignore_first_tokens copies)
+        if given:
+            labels = input_ids.clone()
+            for row, targets in given:
+                labels[row, : targets.numel()] = targets
+        # -100 at padding and at first tokens. The ids are the collator's own, within the mask rules: no check.
+        labels = ignore_first_tokens(labels, document_ids, _format_ops.position_ids_op(document_ids).position_ids)
         return {"input_ids": input_ids, "labels": labels, "document_ids": document_ids}
 
 
