@@ -87,16 +87,53 @@ def shard_cases(draw, *, max_world: int = 4, balances=BALANCES) -> ShardCase:
 # ------------------------------------------------------------------ references
 
 
-def reference_row(case: ShardCase) -> packfn.PackedSequenceLayout:
-    """The whole packed row, in row order: aligned at ``alignment`` (contiguous) or at ``2 * world * alignment``."""
-    alignment = case.alignment if case.balance == "contiguous" else case.unit
-    return packfn.aligned_layout(
-        case.seq_lens,
-        case.seq_lens_padded,
-        sequence_length=case.input_ids.shape[1],
-        alignment=alignment,
-        budget=case.budget,
-    )
+class RowTables(NamedTuple):
+    """A whole packed row by loops (int64 ``[batch, budget]``): the input column, position and slot id per column."""
+
+    source_indices: torch.Tensor
+    position_ids: torch.Tensor
+    sequence_ids: torch.Tensor
+
+    def at(self, columns: torch.Tensor) -> RowTables:
+        """The same tables read at ``columns`` ``[batch, n]``."""
+        return RowTables(*(table.gather(1, columns) for table in self))
+
+    def real_inputs(self, sequence: int) -> torch.Tensor:
+        """bool ``[batch, sequence]``: the input columns that this row reads (its real tokens)."""
+        read = torch.where(self.source_indices >= 0, self.source_indices, sequence)  # padding: a spare column
+        return torch.zeros(read.shape[0], sequence + 1, dtype=torch.bool).scatter_(1, read, True)[:, :sequence]
+
+    def pack(self, values: torch.Tensor, fill=0) -> torch.Tensor:
+        """``values`` ``[batch, sequence]`` laid out in this row, ``fill`` at padding."""
+        read = values.gather(1, self.source_indices.clamp_min(0))
+        return torch.where(self.source_indices >= 0, read, torch.full_like(read, fill))
+
+
+def reference_row(case: ShardCase) -> RowTables:
+    """The whole packed row, in width order, by loops.
+
+    Contiguous: each document at the next multiple of ``alignment``.
+    Balanced: each document in a width of its length rounded up to
+    ``2 * world * alignment``, its tokens first (``"head_tail"``) or after its
+    padding (``"rotated"``).
+    """
+    batch = case.seq_lens.shape[0]
+    lengths = case.seq_lens.reshape(batch, -1).tolist()
+    spans = lengths if case.seq_lens_padded is None else case.seq_lens_padded.reshape(batch, -1).tolist()
+    tables = [[[-1] * case.budget for _ in range(batch)], [[0] * case.budget for _ in range(batch)]]
+    tables.append([[0] * case.budget for _ in range(batch)])
+    unit = case.alignment if case.balance == "contiguous" else case.unit
+    for row in range(batch):
+        column = source = 0
+        for slot, (length, span) in enumerate(zip(lengths[row], spans[row], strict=True)):
+            width = -(-length // unit) * unit
+            lead = width - length if case.balance == "rotated" else 0
+            for position in range(length):
+                tables[0][row][column + lead + position] = source + position
+                tables[1][row][column + lead + position] = position
+                tables[2][row][column + lead + position] = slot + 1
+            column, source = column + width, source + (span if length else 0)
+    return RowTables(*(torch.tensor(table, dtype=torch.int64) for table in tables))
 
 
 def head_tail_columns(widths: list[int], world: int, rank: int, rotation: list[int] | None = None) -> list[int]:

@@ -109,7 +109,8 @@ def cp_document_block_mask(shard: CPShard, *, block_size: int = 128) -> BlockMas
         causal = positions[b, kv_idx] <= positions[b, q_idx + start]
         return (query == ids[b, kv_idx]) & (query != 0) & causal
 
-    tables = balanced_kv_blocks(shard.plan, shard.sequence_ids != 0, shard.rank, shard.world, block_size)
+    real, key_real = shard.sequence_ids != 0, shard.key_sequence_ids != 0
+    tables = balanced_kv_blocks(shard.plan, real, key_real, shard.rank, shard.world, block_size)
     return BlockMask.from_kv_blocks(*tables, BLOCK_SIZE=block_size, mask_mod=balanced_mask_mod, seq_lengths=lengths)
 
 
@@ -124,8 +125,9 @@ class CPVarlenMetadata(NamedTuple):
 
     Attributes:
         cu_seqlens_q: int32: query boundaries, then ``batch * local`` repeated
-            (contiguous: ``[batch * budget + 1]``; balanced: two segments per
-            document slot and two for the row's padding, ``[batch * 2 * (D + 1) + 1]``).
+            (contiguous: ``[batch * budget + 1]``; balanced: four segments per
+            slot, the row's padding included, and one without queries per row,
+            ``[batch * (4 * (D + 1) + 1) + 1]``).
         cu_seqlens_k: int32, the same shape: key boundaries over the flattened
             keys, ending at ``batch * key_length``.
         max_seqlen_q: int32 0-d.

@@ -2,26 +2,27 @@
 
 Under causal attention a query's work grows with its position inside its
 document, so the contiguous shards of :mod:`packfn.distributed.cp` leave the
-last ranks of a row with most of the work. Here every document (each one
-rounded up to ``2 * world * alignment`` columns, its *width*) is cut into
-``2 * world`` equal chunks and rank ``r`` keeps a head chunk and the
-matching tail chunk of **every** document, so each rank holds an equal
-share of every document's work. The row's padding after its last document
-is one more such "document" (it has no work). Example, ``world=2``,
-``alignment=1``, ``budget=16``, documents of 8 and 4 tokens, chunks of 2
-and 1 columns::
+last ranks of a row with most of the work. Here every document takes a
+*width* of its length rounded up to ``2 * world * alignment`` columns, cut
+into ``2 * world`` equal chunks, and rank ``r`` keeps a head chunk and the
+matching tail chunk of **every** document, so each rank holds an equal share
+of every document's work. The row's padding after its last document is one
+more such slot (it has no work). Example, ``world=2``, ``alignment=1``,
+``budget=16``, documents of 7 and 3 tokens (widths 8 and 4, chunks of 2 and
+1 columns; ``.`` is padding)::
 
-    row column        0  1  2  3  4  5  6  7 | 8  9 10 11 | 12 13 14 15
-    sequence_ids      1  1  1  1  1  1  1  1 | 2  2  2  2 |  0  0  0  0
-    chunk             0  0  1  1  2  2  3  3 | 0  1  2  3 |  0  1  2  3
+    width column       0  1  2  3  4  5  6  7 | 8  9 10 11 | 12 13 14 15
+    chunk              0  0  1  1  2  2  3  3 | 0  1  2  3 |  0  1  2  3
+    position (head_tail)  0  1  2  3  4  5  6  . | 0  1  2  . |  .  .  .  .
+    position (rotated)    .  0  1  2  3  4  5  6 | .  0  1  2 |  .  .  .  .
 
-    balance="head_tail": rank r keeps chunks r and 3 - r of every document
-    rank 0 (columns)  0  1  6  7  8 11 12 15
-    rank 1 (columns)  2  3  4  5  9 10 13 14
+    balance="head_tail": rank r keeps chunks r and 3 - r of every slot
+    rank 0: columns 0 1 6 7 8 11 12 15, positions 0 1 6 . 0 . . .   (11 attended pairs)
+    rank 1: columns 2 3 4 5 9 10 13 14, positions 2 3 4 5 1 2 . .   (23)
 
-    balance="rotated" (the default): document k's chunk pair is rotated by k
-    rank 0 (columns)  0  1  6  7  9 10 12 15
-    rank 1 (columns)  2  3  4  5  8 11 13 14
+    balance="rotated" (the default): padding first, and rank r keeps pair (r + k) % 2 of document k
+    rank 0: columns 0 1 6 7 9 10 12 15, positions . 0 5 6 0 1 . .   (17)
+    rank 1: columns 2 3 4 5 8 11 13 14, positions 1 2 3 4 . 2 . .   (17)
 
 Every rank's shard has ``budget // world`` columns, and the shards of ranks
 0, 1, ... one after the other (what :func:`packfn.distributed.all_gather_sequence`
@@ -30,22 +31,27 @@ layout of the whole batch in that order, so ``layout.restore`` of gathered
 outputs gives the input columns with the pack / restore gathers (NOTE [Why
 pack and restore are each other's backward]).
 
-NOTE [Rotating short documents]
+NOTE [Padding first, pairs rotated]
 Head-tail balances a document exactly when its width is all real tokens:
-the work of chunk ``j`` grows linearly in ``j``, so chunks ``j`` and
-``2W - 1 - j`` always sum to the same. A document shorter than its width
-ends in padding, which falls in the tail chunks; a document of fewer tokens
-than ``2 * world`` chunks carries work only in its first chunks. Pure
-head-tail then gives that work to the same low ranks for every document.
-``balance="rotated"`` has rank ``r`` keep pair ``(r + k) % world`` of the
-``k``-th present document of the batch (batch-major), so the heavy pairs of
-consecutive short documents land on different ranks. On best-fit batches
-of exponential lengths of mean 150 and 300 in rows of 8192 at world 8 the
-worst batch goes from 1.08 to 1.02 times the mean work (docs/distributed.md
-has the table); long documents are balanced either way. ``"head_tail"`` is
-the order of torch's ``_PerDocumentHeadTailLoadBalancer`` and of Megatron's
+chunk ``j`` holds positions ``j * c`` to ``(j + 1) * c - 1``, so chunks
+``j`` and ``2W - 1 - j`` always sum to the same work. The width's padding
+breaks that where it falls. After the tokens (``"head_tail"``, as torch and
+Megatron lay sequences out) it empties the last chunk, the heaviest, which
+always belongs to pair 0: the same rank loses work in every document. Before
+the tokens (``"rotated"``) it empties the first chunk, the lightest, and
+shifts every position down by the padding, which costs every pair the same
+(up to ``padding**2 / 2`` pairs). A document of fewer tokens than chunks
+still carries its work in a few chunks only, so ``"rotated"`` also turns the
+pairs: rank ``r`` keeps pair ``(r + k) % world`` of the ``k``-th present
+document of the batch (batch-major), and the heavy pairs of consecutive
+short documents land on different ranks. On best-fit batches of exponential
+lengths (docs/distributed.md has the table) ``"head_tail"`` reaches 1.08
+times the mean work at world 8 with ``alignment=1`` and 2.0 with
+``alignment=16``; ``"rotated"`` stays within 1.05. ``"head_tail"`` is the
+order of torch's ``_PerDocumentHeadTailLoadBalancer`` and of Megatron's
 Transformer Engine partition (chunks ``r`` and ``2W - 1 - r`` of each
-document).
+sequence); the two modes put the same columns on the same ranks for slots
+of rotation 0, only the tokens inside a width move.
 """
 
 from __future__ import annotations
@@ -74,33 +80,36 @@ BALANCES = ("rotated", "head_tail", "contiguous")
 
 
 class BalancePlan(NamedTuple):
-    """Where every document's chunks go, for the attention inputs of a balanced shard (all int64).
+    """Where every slot's chunks go, for the attention inputs of a balanced shard (all int64).
 
     Slot ``D`` (the last) is the row's padding after its documents.
 
     Attributes:
-        widths: ``[batch, D + 1]``: each slot's width in the row (its length
-            rounded up to ``2 * world * alignment``; 0 for an absent slot),
-            then the rest of ``budget``.
+        widths: ``[batch, D + 1]``: each slot's width (its length rounded up
+            to ``2 * world * alignment``; 0 for an absent slot), then the
+            rest of ``budget``.
+        lead: ``[batch, D + 1]``: padding columns before the slot's tokens
+            in its width (``"rotated"``: width minus length; ``"head_tail"``: 0).
         rotation: ``[batch, D + 1]``: rank ``r`` keeps chunk pair
             ``(r + rotation) % world`` of the slot (0 for ``"head_tail"``).
-        key_columns: ``[batch, budget]``: the row column of each gathered
+        key_columns: ``[batch, budget]``: the width column of each gathered
             column (the rearrange indices of torch's load balancers).
         slots: ``[batch, local]``: the slot of each shard column, the same on
             every rank.
     """
 
     widths: torch.Tensor
+    lead: torch.Tensor
     rotation: torch.Tensor
     key_columns: torch.Tensor
     slots: torch.Tensor
 
 
 class _Slots(NamedTuple):
-    """Per-slot tables derived from a plan's widths (``[batch, D + 1]``, int64)."""
+    """Per-slot tables derived from the widths (``[batch, D + 1]``, int64)."""
 
     chunk: torch.Tensor  # columns per chunk, width // (2 * world)
-    start: torch.Tensor  # first row column
+    start: torch.Tensor  # first width column
     local_start: torch.Tensor  # first shard column (start // world)
 
 
@@ -121,8 +130,27 @@ def _take(table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return table.gather(1, index.flatten(1)).view(index.shape)
 
 
-def _row_columns(tables: _Slots, rotation: torch.Tensor, slots: torch.Tensor, world: int) -> torch.Tensor:
-    """int64 ``[batch, world, local]``: the row column of each shard column, for every rank."""
+def _read(table: torch.Tensor, index: torch.Tensor, fill: int) -> torch.Tensor:
+    """``table[b, index[b, j]]``, ``fill`` where ``index`` is -1."""
+    return torch.where(index >= 0, table.gather(1, index.clamp_min(0)), fill)
+
+
+def _inverse(source: torch.Tensor, width: int) -> torch.Tensor:
+    """int64 ``[batch, width]``: the column of ``source`` that holds each value, -1 for values it lacks.
+
+    ``source`` holds each value of ``[0, width)`` at most once and -1
+    elsewhere; the -1 entries all land in one spare column, dropped.
+    """
+    batch, count = source.shape
+    index = torch.where(source >= 0, source, width)
+    positions = torch.arange(count, device=source.device).expand(batch, count)
+    return torch.full((batch, width + 1), -1, dtype=torch.int64, device=source.device).scatter(1, index, positions)[
+        :, :width
+    ]
+
+
+def _width_columns(tables: _Slots, rotation: torch.Tensor, slots: torch.Tensor, world: int) -> torch.Tensor:
+    """int64 ``[batch, world, local]``: the width column of each shard column, for every rank."""
     local = slots.shape[1]
     chunk = _take(tables.chunk, slots).unsqueeze(1)
     offset = (torch.arange(local, device=slots.device) - _take(tables.local_start, slots)).unsqueeze(1)
@@ -136,17 +164,16 @@ def _row_columns(tables: _Slots, rotation: torch.Tensor, slots: torch.Tensor, wo
 
 
 def _gathered_columns(
-    tables: _Slots, rotation: torch.Tensor, widths: torch.Tensor, world: int, local: int
+    tables: _Slots, rotation: torch.Tensor, width_slots: torch.Tensor, world: int, local: int
 ) -> torch.Tensor:
-    """int64 ``[batch, budget]``: the gathered column of each row column (the inverse of ``key_columns``)."""
+    """int64 ``[batch, budget]``: the gathered column of each width column (the inverse of ``key_columns``)."""
     budget = world * local
-    slots = _slot_of(widths, budget)
-    chunk = _take(tables.chunk, slots).clamp_min(1)  # a slot of width 0 holds no column
-    offset = torch.arange(budget, device=widths.device) - _take(tables.start, slots)
+    chunk = _take(tables.chunk, width_slots).clamp_min(1)  # a slot of width 0 holds no column
+    offset = torch.arange(budget, device=width_slots.device) - _take(tables.start, width_slots)
     index, within = offset // chunk, offset % chunk
     pair = torch.minimum(index, 2 * world - 1 - index)
-    rank = (pair - _take(rotation, slots)) % world
-    shard_column = _take(tables.local_start, slots) + within + torch.where(index < world, 0, chunk)
+    rank = (pair - _take(rotation, width_slots)) % world
+    shard_column = _take(tables.local_start, width_slots) + within + torch.where(index < world, 0, chunk)
     return rank * local + shard_column
 
 
@@ -164,14 +191,16 @@ def balanced_layout(
 
     ``budget`` is a multiple of ``2 * world * alignment``. A row whose
     documents, each rounded up to that, exceed ``budget`` trips a sync-free
-    assert that names the packer's ``pad_to_multiple_of``.
+    assert that names the packer's ``pad_to_multiple_of``. ``rotate`` is
+    ``"rotated"`` (padding first, pairs rotated), else ``"head_tail"``.
     """
     unit = 2 * world * alignment
     lengths = as_rows(seq_lens).to(torch.int64)
     batch, documents = lengths.shape
     # Clamped as aligned_layout's tables are, so that broken lengths report
     # their own rule there and no sum wraps.
-    widths = round_up(lengths.clamp(0, sequence_length + 1), unit)
+    real = lengths.clamp(0, sequence_length + 1)
+    widths = round_up(real, unit)
     used = widths.sum(1, keepdim=True)
     torch._assert_async(
         (used <= budget).all(),
@@ -179,57 +208,76 @@ def balanced_layout(
         f"do not fit budget={budget}: pack them with pad_to_multiple_of={unit} (packfn.pack_documents, "
         "pack_stream, packfn.data.PackedDataset)",
     )
-    row = aligned_layout(seq_lens, seq_lens_padded, sequence_length=sequence_length, alignment=unit, budget=budget)
-    widths = torch.cat([widths, (budget - used).clamp_min(0)], 1)
+    # The width row with each slot's tokens at the start of its width.
+    first = aligned_layout(seq_lens, seq_lens_padded, sequence_length=sequence_length, alignment=unit, budget=budget)
+    rest = (budget - used).clamp_min(0)
+    widths = torch.cat([widths, rest], 1)
     if rotate:
+        lead = torch.cat([widths[:, :-1] - real, rest], 1)
         present = (lengths > 0).to(torch.int64).flatten()
         before = (present.cumsum(0) - present).view(batch, documents)
         rotation = F.pad(before % world, (0, 1))
     else:
-        rotation = torch.zeros_like(widths)
+        lead = rotation = torch.zeros_like(widths)
     local = budget // world
     tables = _slot_tables(widths, world)
     slots = _slot_of(widths // world, local)
-    key_columns = _row_columns(tables, rotation, slots, world).flatten(1)
-    gathered = _gathered_columns(tables, rotation, widths, world, local)
-    positions = row.input_positions
+    key_columns = _width_columns(tables, rotation, slots, world).flatten(1)
+    # Each gathered column reads the width row with the tokens first, `lead` columns back.
+    column_slots = slots.repeat(1, world)
+    shift = _take(lead, column_slots)
+    source = torch.where(key_columns - _take(tables.start, column_slots) >= shift, key_columns - shift, -1)
+    width_slots = _slot_of(widths, budget)
+    gathered = _gathered_columns(tables, rotation, width_slots, world, local)
+    written = first.input_positions  # the width column of each input column, tokens first
+    moved = written + _read(_take(lead, width_slots), written, 0)
     layout = PackedSequenceLayout(
-        source_indices=row.source_indices.gather(1, key_columns),
-        input_positions=torch.where(positions >= 0, gathered.gather(1, positions.clamp_min(0)), -1),
-        position_ids=row.position_ids.gather(1, key_columns),
-        sequence_ids=row.sequence_ids.gather(1, key_columns),
+        source_indices=_read(first.source_indices, source, -1),
+        input_positions=_read(gathered, moved, -1),
+        position_ids=_read(first.position_ids, source, 0),
+        sequence_ids=_read(first.sequence_ids, source, 0),
     )
-    return layout, BalancePlan(widths, rotation, key_columns, slots)
+    return layout, BalancePlan(widths, lead, rotation, key_columns, slots)
 
 
 # ------------------------------------------------------------------ FlexAttention
 
 
+def _first_real(lead: torch.Tensor, pair: torch.Tensor, chunk: torch.Tensor, world: int) -> torch.Tensor:
+    """The first shard column, counted from the slot's block, whose width column is past ``lead`` (``2 * chunk``
+    if none): the head chunk covers ``[pair * chunk, (pair + 1) * chunk)``, the tail chunk
+    ``[(2W - 1 - pair) * chunk, (2W - pair) * chunk)``."""
+    in_head = lead - pair * chunk
+    in_tail = lead - (2 * world - 1 - pair) * chunk
+    return torch.where(in_head < chunk, in_head.clamp_min(0), chunk + in_tail.clamp_min(0).minimum(chunk))
+
+
 def balanced_kv_blocks(
-    plan: BalancePlan, real: torch.Tensor, rank: int, world: int, block_size: int
+    plan: BalancePlan, real: torch.Tensor, key_real: torch.Tensor, rank: int, world: int, block_size: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """A ``BlockMask``'s tensors for one rank's queries against the gathered keys.
 
     NOTE [Blocks of a balanced shard]
     Every rank's shard has the same slots at the same shard columns (a
     slot's block starts at ``start // world`` on every rank), so a query
-    block ``i`` and a key block ``j`` of any rank can share a document only
+    block ``i`` and a key block ``j`` of any ranks can share a document only
     through the document that runs from one to the other: for ``i != j``
     that is the last document of the earlier block, which must be the first
-    of the later one. Inside a slot, a rank's row columns grow with its
-    shard columns (the head chunk precedes the tail chunk), and its real
-    tokens come first; so the keys of a document that a key block holds
-    start at its first shard column there, and a query attends a key block
-    when that column is not after the query's. Diagonal blocks (``i == j``,
-    any two ranks) compare each query with the first column of its document
-    in the block on the key rank. A block pair is full when every query is
-    real, both blocks lie in one document and the last key precedes the
-    first query. ``O(batch * blocks**2 + batch * budget)``, as
-    :func:`packfn.document_block_mask`.
+    of the later one. Inside a slot, a rank's width columns grow with its
+    shard columns (the head chunk precedes the tail chunk), so its real
+    tokens are one run and the earliest real key of a document in a key
+    block is at the later of the block's first column of that document and
+    the document's first real column on the key rank; a query attends the
+    block when that key is not after it. Diagonal blocks (``i == j``, any
+    two ranks) compare each query with that key of its own document. A
+    block pair is full when every query and key is real, both blocks lie in
+    one document and the last key precedes the first query.
+    ``O(batch * blocks**2 + batch * world * local)``, as :func:`packfn.document_block_mask`.
 
     Args:
         plan: The shard's :class:`BalancePlan`.
         real: bool ``[batch, local]``: the real queries of this rank.
+        key_real: bool ``[batch, budget]``: the real gathered keys.
         rank, world: This rank and the group size.
         block_size: Divides ``local``.
 
@@ -246,63 +294,64 @@ def balanced_kv_blocks(
     device = slots.device
     columns = plan.key_columns.view(batch, world, local)
     mine = columns[:, rank]
-    local_start = _take(_slot_tables(plan.widths, world).local_start, slots)
+    tables = _slot_tables(plan.widths, world)
+    local_start, chunk = _take(tables.local_start, slots), _take(tables.chunk, slots)
     block_start = torch.arange(local, device=device) // block_size * block_size
-    # The first shard column of each column's document inside its block.
     first_in_block = torch.maximum(local_start, block_start)
-    # Diagonal blocks, per key rank: [batch, world, blocks].
-    earliest = columns.gather(2, first_in_block.unsqueeze(1).expand(batch, world, local))
+    run_end = torch.minimum(local_start + 2 * chunk, block_start + block_size)
+    # Per key rank: the earliest real key of each column's document inside its block ([batch, world, local]).
+    ranks = torch.arange(world, device=device).view(1, world, 1)
+    pair = (ranks + _take(plan.rotation, slots).unsqueeze(1)) % world
+    first_real = local_start.unsqueeze(1) + _first_real(
+        _take(plan.lead, slots).unsqueeze(1), pair, chunk.unsqueeze(1), world
+    )
+    candidate = torch.maximum(first_in_block.unsqueeze(1), first_real)
+    never = torch.iinfo(torch.int64).max
+    earliest = torch.where(candidate < run_end.unsqueeze(1), columns.gather(2, candidate.clamp_max(local - 1)), never)
     diagonal = (real.unsqueeze(1) & (earliest <= mine.unsqueeze(1))).view(batch, world, blocks, block_size).any(-1)
     first_slot, last_slot = slots[:, ::block_size], slots[:, block_size - 1 :: block_size]
 
     def latest_real(slot: torch.Tensor) -> torch.Tensor:
-        """``[batch, blocks]``: the latest row column of a real query of ``slot`` in each block, -1 if none."""
+        """``[batch, blocks]``: the latest width column of a real query of ``slot`` in each block, -1 if none."""
         own = real & (slots == slot.repeat_interleave(block_size, dim=1))
         return torch.where(own, mine, -1).view(batch, blocks, block_size).amax(-1)
 
-    # Key blocks' first columns of their first and last documents: [batch, world, blocks].
-    key_first = columns[:, :, ::block_size]
-    key_last = columns.gather(2, first_in_block[:, block_size - 1 :: block_size].unsqueeze(1).expand(-1, world, -1))
-    q_first, q_last = latest_real(first_slot), latest_real(last_slot)
-    shape = (batch, blocks, world, blocks)  # [batch, query block, key rank, key block]
-
-    def pair(query: torch.Tensor, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def pair_up(query: torch.Tensor, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return query.view(batch, blocks, 1, 1), key.view(batch, 1, 1, blocks)
 
+    # Shape [batch, query block, key rank, key block].
+    q_first, q_last = latest_real(first_slot), latest_real(last_slot)
+    key_first, key_last = earliest[:, :, ::block_size], earliest[:, :, block_size - 1 :: block_size]
+    q_slot, k_slot = pair_up(first_slot, last_slot)  # an earlier key block ends in the query block's first document
+    before = (q_slot == k_slot) & (q_slot < documents) & (key_last.unsqueeze(1) <= q_first.view(batch, blocks, 1, 1))
+    q_slot, k_slot = pair_up(last_slot, first_slot)  # a later key block begins in the query block's last document
+    after = (q_slot == k_slot) & (q_slot < documents) & (key_first.unsqueeze(1) <= q_last.view(batch, blocks, 1, 1))
     query_block = torch.arange(blocks, device=device).view(1, blocks, 1, 1)
     key_block = torch.arange(blocks, device=device).view(1, 1, 1, blocks)
-    # Earlier key block: it ends in the query block's first document.
-    q_slot, k_slot = pair(first_slot, last_slot)
-    before = (q_slot == k_slot) & (q_slot < documents) & (key_last.unsqueeze(1) <= q_first.view(batch, blocks, 1, 1))
-    # Later key block: it begins in the query block's last document.
-    q_slot, k_slot = pair(last_slot, first_slot)
-    after = (q_slot == k_slot) & (q_slot < documents) & (key_first.unsqueeze(1) <= q_last.view(batch, blocks, 1, 1))
-    on_diagonal = diagonal.transpose(1, 2).unsqueeze(-1)  # [batch, query block, key rank, 1]
-    present = torch.where(
-        key_block < query_block, before, torch.where(key_block > query_block, after, on_diagonal)
-    ).expand(shape)
-    # Full pairs.
+    on_diagonal = diagonal.transpose(1, 2).unsqueeze(-1)
+    present = torch.where(key_block < query_block, before, torch.where(key_block > query_block, after, on_diagonal))
     single = (first_slot == last_slot) & (first_slot < documents)
     all_real = real.view(batch, blocks, block_size).all(-1)
+    keys_real = key_real.view(batch, world, blocks, block_size).all(-1)
     earliest_query = mine.view(batch, blocks, block_size).amin(-1)
     latest_key = columns.view(batch, world, blocks, block_size).amax(-1)
-    q_slot, k_slot = pair(first_slot, first_slot)
+    q_slot, k_slot = pair_up(first_slot, first_slot)
     full = (
         (all_real & single).view(batch, blocks, 1, 1)
         & single.view(batch, 1, 1, blocks)
+        & keys_real.unsqueeze(1)
         & (q_slot == k_slot)
         & (latest_key.unsqueeze(1) <= earliest_query.view(batch, blocks, 1, 1))
     )
-    partial = (present & ~full).flatten(2).unsqueeze(1)
+    partial = (present.expand(full.shape) & ~full).flatten(2).unsqueeze(1)
     return (*_ordered(partial), *_ordered(full.flatten(2).unsqueeze(1)))
 
 
 def _ordered(dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Block counts and block indices, present blocks ascending first, as ``create_block_mask`` orders them."""
     dense = dense.to(torch.int32)
-    return dense.sum(dim=-1, dtype=torch.int32), torch.argsort(dense, dim=-1, descending=True, stable=True).to(
-        torch.int32
-    )
+    indices = torch.argsort(dense, dim=-1, descending=True, stable=True)
+    return dense.sum(dim=-1, dtype=torch.int32), indices.to(torch.int32)
 
 
 # ------------------------------------------------------------------ varlen
@@ -337,54 +386,61 @@ def balanced_varlen(
     """Varlen boundaries of one rank's balanced shard: ``cu_seqlens_q``, ``cu_seqlens_k``, their maxima, the keys.
 
     NOTE [Varlen keys of a balanced shard]
-    A rank holds two chunks of each document, and each must see the keys of
-    its document up to its own end. Their key ranges overlap (both start at
-    the document's first column), which one ``cu_seqlens_k`` over the row
-    cannot express. So the keys go into a buffer that holds, per slot, the
-    slot's keys up to the end of the head chunk and then the slot's keys up
-    to the end of the tail chunk: ``(p + 1) * c`` and ``(2W - p) * c``
-    columns for pair ``p`` and chunks of ``c``, ``(2W + 1) * c`` in all, so
-    ``key_length = budget + budget // (2 * world)`` per row, static. Slot
-    ``k`` contributes two segments (head chunk, tail chunk), each of ``c``
-    queries against its key range, so with bottom-right causal alignment
-    every query sees exactly the earlier keys of its document. A gathered
-    key is copied at most once into each half (first: up to the head
-    chunk's end, second: up to the tail chunk's end), so the buffer is two
-    packs and its backward two restores: gathers, no atomics.
+    A rank holds two chunks of each slot, and each must see the keys of its
+    document up to its own end. Their key ranges overlap (both start at the
+    document's first token), which one ``cu_seqlens_k`` over the row cannot
+    express; so the keys go into a buffer, and each chunk ``k`` (of ``c``
+    columns, ``p_k`` of them padding before the slot's tokens) takes two
+    segments: its ``p_k`` padding queries against their own ``p_k`` columns,
+    then its other queries against the slot's tokens up to the chunk's end.
+    With bottom-right causal alignment every real query sees exactly the
+    earlier keys of its document, and no query row is empty. A chunk takes
+    at most ``(k + 1) * c`` buffer columns, a slot at most ``(2W + 1) * c``,
+    so ``key_length = budget + budget // (2 * world)`` per row, static, the
+    rest a last segment without queries. A gathered key is copied into the
+    buffer at most twice (the tail chunk's tokens repeat the head chunk's):
+    the first table holds the head chunk's segments and the tail chunk's
+    padding, the second the tail chunk's tokens, each copying a key at most
+    once, so the buffer is two packs and its backward two restores: gathers,
+    no atomics.
 
     Returns:
-        ``cu_seqlens_q`` and ``cu_seqlens_k`` int32 ``[batch * 2 * (D + 1) + 1]``,
+        ``cu_seqlens_q`` and ``cu_seqlens_k`` int32 ``[batch * (4 * (D + 1) + 1) + 1]``,
         ``max_seqlen_q`` and ``max_seqlen_k`` int32 0-d, and the
         :class:`BalancedKeys` that build the buffer.
     """
-    widths, rotation = plan.widths, plan.rotation
+    widths, lead = plan.widths, plan.lead
     budget = plan.key_columns.shape[1]
-    local = budget // world
+    local, key_length = budget // world, budget + budget // (2 * world)
     tables = _slot_tables(widths, world)
     chunk = tables.chunk
-    pair = (rank + rotation) % world
-    head_keys, tail_keys = (pair + 1) * chunk, (2 * world - pair) * chunk
-    queries = torch.stack([chunk, chunk], -1).flatten(1)
-    keys = torch.stack([head_keys, tail_keys], -1).flatten(1)
+    head = (rank + plan.rotation) % world
+    tail = 2 * world - 1 - head
+    padding = [(lead - index * chunk).clamp_min(0).minimum(chunk) for index in (head, tail)]
+    tokens = [((index + 1) * chunk - lead).clamp_min(0) for index in (head, tail)]
+    # Per slot: [head padding, head tokens, tail padding, tail tokens], then one segment without queries.
+    queries = torch.stack([padding[0], chunk - padding[0], padding[1], chunk - padding[1]], -1).flatten(1)
+    keys = torch.stack([padding[0], tokens[0], padding[1], tokens[1]], -1).flatten(1)
+    keys = torch.cat([keys, key_length - keys.sum(1, keepdim=True)], 1)
+    queries = F.pad(queries, (0, 1))
     cu_seqlens_q = F.pad(queries.flatten().cumsum(0), (1, 0)).to(torch.int32)
     cu_seqlens_k = F.pad(keys.flatten().cumsum(0), (1, 0)).to(torch.int32)
-    # The buffer: slot k's two key ranges from its buffer start on.
-    spans = (2 * world + 1) * chunk
-    buffer_start = F.pad(spans, (1, 0)).cumsum(1)[:, :-1]
-    key_length = budget + budget // (2 * world)
-    slots = _slot_of(spans, key_length)
-    offset = torch.arange(key_length, device=widths.device) - _take(buffer_start, slots)
-    head = _take(head_keys, slots)
-    in_head = offset < head
-    row_column = _take(tables.start, slots) + torch.where(in_head, offset, offset - head)
-    source = _gathered_columns(tables, rotation, widths, world, local).gather(1, row_column)
-    first_source = torch.where(in_head, source, -1)
-    second_source = torch.where(in_head, -1, source)
-    # The inverse tables, from each gathered column's row column.
-    column_slots = plan.slots.repeat(1, world)
-    within = plan.key_columns - _take(tables.start, column_slots)
-    start, head, tail = (_take(table, column_slots) for table in (buffer_start, head_keys, tail_keys))
-    first_positions = torch.where(within < head, start + within, -1)
-    second_positions = torch.where(within < tail, start + head + within, -1)
-    tables_out = BalancedKeys(first_source, first_positions, second_source, second_positions)
+    # The width column each buffer column copies.
+    segment = _slot_of(keys, key_length)
+    offset = torch.arange(key_length, device=widths.device) - _take(F.pad(keys, (1, 0)).cumsum(1), segment)
+    slot, kind = segment // 4, segment % 4
+    inside = segment < keys.shape[1] - 1  # not the last segment
+    slot = torch.where(inside, slot, 0)
+    start = _take(tables.start, slot)
+    chunk_index = torch.where(kind < 2, _take(head, slot), _take(tail, slot))
+    first_token = start + _take(lead, slot)
+    width_column = torch.where(kind % 2 == 0, start + chunk_index * _take(chunk, slot), first_token) + offset
+    width_slots = _slot_of(widths, budget)
+    gathered = _gathered_columns(tables, plan.rotation, width_slots, world, local)
+    source = _read(gathered, torch.where(inside, width_column, -1), -1)
+    second = kind == 3
+    first_source, second_source = torch.where(second, -1, source), torch.where(second, source, -1)
+    tables_out = BalancedKeys(
+        first_source, _inverse(first_source, budget), second_source, _inverse(second_source, budget)
+    )
     return cu_seqlens_q, cu_seqlens_k, queries.max().to(torch.int32), keys.max().to(torch.int32), tables_out

@@ -164,11 +164,12 @@ def shard_packed_batch(
             shards (NOTE [Why the budget is a multiple of world * alignment]).
         alignment: Alignment of document starts (the compression group).
         padding_token_id: Token written at padding.
-        balance: ``"rotated"`` (default): per-document head-tail chunks, the
-            chunk pair rotated from one document to the next (NOTE [Rotating
-            short documents]); ``"head_tail"``: chunks ``rank`` and
-            ``2 * world - 1 - rank`` of every document (torch's and
-            Megatron's order); ``"contiguous"``: columns
+        balance: ``"rotated"`` (default): per-document head-tail chunks, each
+            document's padding before its tokens and its chunk pair rotated
+            from one document to the next (NOTE [Padding first, pairs
+            rotated]); ``"head_tail"``: chunks ``rank`` and
+            ``2 * world - 1 - rank`` of every document, tokens first (torch's
+            and Megatron's order); ``"contiguous"``: columns
             ``[rank * local, (rank + 1) * local)``. A balanced shard rounds
             each document up to ``2 * world * alignment`` columns: pack with
             ``pad_to_multiple_of=2 * world * alignment`` and

@@ -154,7 +154,7 @@ def test_restore_is_the_inverse_of_the_gathered_order_and_its_backward(case):
     row = reference_row(case)
     values = torch.randn(*case.input_ids.shape, 2, dtype=torch.float64, requires_grad=True)
     gathered = layout.pack(values)
-    real = row.input_positions >= 0
+    real = row.real_inputs(case.input_ids.shape[1])
     restored = layout.restore(gathered)
     assert torch.equal(restored[real], values.detach()[real])
     assert not restored[~real].any()
@@ -174,7 +174,8 @@ def test_varlen_keys_copy_the_gathered_keys_and_sum_their_gradients(case):
         gathered = torch.randn(case.seq_lens.shape[0], case.budget, 3, dtype=torch.float64, requires_grad=True)
         keys = metadata.keys(gathered)
         assert keys.shape == (gathered.shape[0], metadata.key_length, 3)
-        expected = gathered.gather(1, source.unsqueeze(2).expand(-1, -1, 3))
+        copied = (source >= 0).unsqueeze(2)  # each row's last segment copies no key: zeros
+        expected = gathered.gather(1, source.clamp_min(0).unsqueeze(2).expand(-1, -1, 3)) * copied
         assert torch.equal(keys, expected)
         weights = torch.randn_like(keys)
         (ours,) = torch.autograd.grad((keys * weights).sum(), gathered)

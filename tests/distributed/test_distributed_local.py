@@ -44,33 +44,24 @@ def own_columns(case: ShardCase) -> slice:
     return slice(case.rank * local, (case.rank + 1) * local)
 
 
-def at(values: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
-    """``values[b, columns[b, j]]``: a row-order table read in another order."""
-    return values.gather(1, columns)
-
-
 @SETTINGS
 @given(shard_cases())
 def test_shard_is_this_ranks_columns_of_the_packed_row(case):
-    row = reference_row(case)
     shard = shard_of(case)
-    gathered = reference_columns(case)
-    columns = gathered[:, own_columns(case)]
-    assert_same(shard.input_ids, at(row.pack(case.input_ids), columns))
-    assert_same(shard.labels, at(row.pack(case.labels, fill=-100), columns))
-    assert_same(shard.loss_mask, at(row.pack(case.loss_mask), columns))
-    assert_same(shard.position_ids, at(row.position_ids, columns))
-    assert_same(shard.sequence_ids, at(row.sequence_ids, columns))
-    assert_same(shard.padding_mask, at(row.sequence_ids, columns) == 0)
-    assert_same(shard.key_sequence_ids, at(row.sequence_ids, gathered))
-    assert_same(shard.layout.position_ids, at(row.position_ids, gathered))
-    assert (shard.start, shard.local, shard.balance) == (
-        own_columns(case).start,
-        case.budget // case.world,
-        case.balance,
-    )
+    gathered = reference_row(case).at(reference_columns(case))
+    columns = own_columns(case)
+    assert_same(shard.input_ids, gathered.pack(case.input_ids)[:, columns])
+    assert_same(shard.labels, gathered.pack(case.labels, fill=-100)[:, columns])
+    assert_same(shard.loss_mask, gathered.pack(case.loss_mask)[:, columns])
+    assert_same(shard.position_ids, gathered.position_ids[:, columns])
+    assert_same(shard.sequence_ids, gathered.sequence_ids[:, columns])
+    assert_same(shard.padding_mask, gathered.sequence_ids[:, columns] == 0)
+    assert_same(shard.key_sequence_ids, gathered.sequence_ids)
+    assert_same(shard.layout.position_ids, gathered.position_ids)
+    assert_same(shard.layout.source_indices, gathered.source_indices)
+    assert (shard.start, shard.local, shard.balance) == (columns.start, case.budget // case.world, case.balance)
     # The gathered layout restores gathered values to the input columns (pack's inverse on real tokens).
-    real = row.input_positions >= 0
+    real = gathered.real_inputs(case.input_ids.shape[1])
     restored = shard.layout.restore(shard.layout.pack(case.input_ids))
     assert torch.equal(restored[real], case.input_ids[real])
     assert not restored[~real].any()
@@ -100,7 +91,7 @@ def test_shards_of_every_rank_make_the_row_example():
 def test_cp_block_causal_mask_is_this_ranks_rows_of_the_whole_mask(case):
     shard = shard_of(case)
     gathered = reference_columns(case)
-    whole = packfn.block_causal_mask(reference_row(case).sequence_ids).squeeze(1)
+    whole = packfn.block_causal_mask(reference_row(case).sequence_ids).squeeze(1)  # width order
     queries = gathered[:, own_columns(case)]
     rows = whole.gather(1, queries.unsqueeze(2).expand(-1, -1, case.budget))
     expected = rows.gather(2, gathered.unsqueeze(1).expand(-1, queries.shape[1], -1))
@@ -116,12 +107,13 @@ def varlen_mask_on_gathered_keys(metadata, batch: int, local: int, budget: int) 
     if metadata.key_tables is None:
         return attended
     tables = metadata.key_tables
-    source = torch.where(tables.first_source >= 0, tables.first_source, tables.second_source)
-    assert (source >= 0).all()  # every buffer column copies a key
-    flat = (source + torch.arange(batch)[:, None] * budget).flatten()
+    source = torch.where(tables.first_source >= 0, tables.first_source, tables.second_source).flatten()
+    assert not attended[:, source < 0].any()  # the columns that copy no key (each row's last segment)
+    flat = source + torch.arange(batch).repeat_interleave(metadata.key_length) * budget
     mapped = torch.zeros(batch * local, batch * budget, dtype=torch.bool)
     for column in range(flat.shape[0]):
-        mapped[:, flat[column]] |= attended[:, column]
+        if source[column] >= 0:
+            mapped[:, flat[column]] |= attended[:, column]
     return mapped
 
 
@@ -132,7 +124,8 @@ def test_cp_varlen_metadata_attends_exactly_the_earlier_keys_of_each_querys_docu
     metadata = cp_varlen_metadata(shard)
     batch, budget = shard.key_sequence_ids.shape
     local, key_length = shard.local, metadata.key_length
-    segments = batch * budget if case.balance == "contiguous" else batch * 2 * (case.seq_lens.shape[-1] + 1)
+    slots = case.seq_lens.shape[-1] + 1  # the documents' and the row's padding
+    segments = batch * budget if case.balance == "contiguous" else batch * (4 * slots + 1)
     assert key_length == (budget if case.balance == "contiguous" else budget + budget // (2 * case.world))
     assert metadata.cu_seqlens_q.shape == metadata.cu_seqlens_k.shape == (segments + 1,)
     assert metadata.cu_seqlens_q.dtype == metadata.cu_seqlens_k.dtype == torch.int32
