@@ -28,8 +28,17 @@ BFD at alignment 1 with no cap, at least BFD's at alignments 16 and 128,
 packing at least 10 times faster than TRL and within 4 times the bare pass
 plus two output writes.
 
+The loader (``--parts loader``): ``packfn.data.PackedDataset`` over the
+same lengths as token tensors (batch 8, sequence 4096, cap
+``--max-documents``), with its per-batch packing statistics on and off,
+two loaders advanced in turns (the one to go first alternating every batch,
+so drift on a shared machine hits both alike), a whole pass of each per
+round: the median pass of each over ``--rounds`` rounds, their ratio (the
+cost of the statistics), and real tokens per second with them on.
+
     python scripts/bench_packer.py                       # the whole grid: a few minutes on 2 CPU cores
     python scripts/bench_packer.py --quick               # one sequence, fewer streams and rounds
+    python scripts/bench_packer.py --parts loader        # the loader only, statistics on against off
     pip install trl==1.16.0 'datasets>=4.7,<4.8' && pip install --no-deps nemo-automodel==0.7.0
 """
 
@@ -54,6 +63,8 @@ from collections.abc import Callable
 import torch
 
 import packfn
+from packfn.data import PackedDataset
+from packfn.data.stats import stats_dict
 
 from scripts.benchmarks.common import round_up
 from scripts.upstream import neat_packing
@@ -63,6 +74,7 @@ STREAMS = ("exponential 96", "exponential 300", "exponential 800", "chat mix")
 SEQUENCES = (512, 4096, 8192)
 ALIGNMENTS = (1, 16, 128)
 CAPS = (16, 64, None)
+PARTS = ("fills", "times", "loader")
 
 
 def stream_lengths(name: str, sequence: int, count: int = DOCUMENTS, seed: int = 0) -> list[int]:
@@ -283,26 +295,92 @@ def _time_line(entry: dict) -> str:
     )
 
 
-def targets(fills: list[dict], times: list[dict]) -> list[str]:
-    """Each target, met or short, with the worst case."""
+LOADER = {"batch": 8, "sequence": 4096}
+
+
+def loader_grid(streams, rounds: int, cap: int, documents: int = DOCUMENTS) -> list[dict]:
+    """The loader with packing statistics on and off, in turns batch by batch: the median pass of each, the ratio.
+
+    Both loaders yield the same batches; each batch's time is the median over
+    the rounds of that batch's ``next()`` (a burst of load on the machine
+    hits one round of a few batches, not the sum), and a pass is the sum of
+    those medians.
+    """
+    results = []
+    for stream in streams:
+        lengths = stream_lengths(stream, LOADER["sequence"], documents)
+        generator = torch.Generator().manual_seed(1)
+        tokens = torch.randint(1, 32_000, (sum(lengths),), generator=generator)
+        examples = list(tokens.split(lengths))
+        kwargs = {**LOADER, "max_documents": cap}
+        seconds: dict[bool, list[list[float]]] = {True: [], False: []}  # per flag, per batch: one time a round
+        stats = []
+        for round_index in range(rounds + 1):  # round 0 warms up, untimed
+            loaders = {flag: iter(PackedDataset(examples, **kwargs, packing_stats=flag)) for flag in (True, False)}
+            for batch_index in itertools.count():
+                order = (True, False) if (round_index + batch_index) % 2 else (False, True)
+                taken = {}
+                for flag in order:
+                    begin = time.perf_counter()
+                    taken[flag] = next(loaders[flag], None)
+                    elapsed = time.perf_counter() - begin
+                    if round_index and taken[flag] is not None:
+                        if round_index == 1:
+                            seconds[flag].append([])
+                        seconds[flag][batch_index].append(elapsed)
+                if taken[True] is None:
+                    break
+                if round_index == 0:
+                    stats.append(taken[True]["packing_stats"])
+        on, off = (sum(statistics.median(batch) for batch in seconds[flag]) for flag in (True, False))
+        total = stats_dict(torch.stack(stats))
+        entry = {
+            "stream": stream,
+            **kwargs,
+            "batches": len(stats),
+            "packing_stats": total,
+            "stats_on_s": on,
+            "stats_off_s": off,
+            "on_over_off": on / off,
+            "stats_us_per_batch": (on - off) / len(stats) * 1e6,
+            "real_tokens_per_s": total["real_tokens"] / on,
+        }
+        results.append(entry)
+        print(_loader_line(entry), flush=True)
+    return results
+
+
+def _loader_line(entry: dict) -> str:
+    return (
+        f"loader {entry['stream']:<16} S={entry['sequence']} B={entry['batch']} cap={entry['max_documents']}: "
+        f"{entry['batches']} batches, fill {entry['packing_stats']['fill']:.3f}; "
+        f"a pass {entry['stats_off_s'] * 1e3:.0f} ms without statistics, {entry['stats_on_s'] * 1e3:.0f} ms with them: "
+        f"{entry['on_over_off']:.3f}x "
+        f"({entry['stats_us_per_batch']:+.0f} us a batch); {entry['real_tokens_per_s'] / 1e6:.2f} M real tokens/s"
+    )
+
+
+def targets(fills: list[dict], times: list[dict], loader: list[dict]) -> list[str]:
+    """Each target, met or short, with the worst case (of the parts that ran)."""
     lines = []
-    free = [entry for entry in fills if entry["alignment"] == 1 and entry["cap"] is None]
-    worst = min(free, key=lambda entry: entry["packfn_fill"] - entry["bfd_fill"])
-    gap = worst["packfn_fill"] - worst["bfd_fill"]
-    within = sum(1 for entry in free if entry["packfn_fill"] - entry["bfd_fill"] >= -0.005)
-    lines.append(
-        f"alignment 1, no cap: packfn fill within 0.5 points of BFD on {within} of {len(free)}; worst {gap:+.4f} "
-        f"({worst['stream']}, {worst['sequence']}): {'met' if gap >= -0.005 else 'SHORT'}"
-    )
-    aligned = [entry for entry in fills if entry["alignment"] > 1]
-    short = [entry for entry in aligned if entry["packfn_fill"] < entry["bfd_fill"]]
-    best = max(aligned, key=lambda entry: entry["packfn_fill"] - entry["bfd_fill"])
-    lines.append(
-        f"alignments 16, 128: packfn fill >= BFD on the aligned sizes with the same cap on "
-        f"{len(aligned) - len(short)} of {len(aligned)}: {'met' if not short else 'SHORT'}; largest gain "
-        f"{best['packfn_fill'] - best['bfd_fill']:+.3f} ({best['stream']}, {best['sequence']}, a={best['alignment']}, "
-        f"cap {best['cap']})"
-    )
+    if fills:
+        free = [entry for entry in fills if entry["alignment"] == 1 and entry["cap"] is None]
+        worst = min(free, key=lambda entry: entry["packfn_fill"] - entry["bfd_fill"])
+        gap = worst["packfn_fill"] - worst["bfd_fill"]
+        within = sum(1 for entry in free if entry["packfn_fill"] - entry["bfd_fill"] >= -0.005)
+        lines.append(
+            f"alignment 1, no cap: packfn fill within 0.5 points of BFD on {within} of {len(free)}; worst {gap:+.4f} "
+            f"({worst['stream']}, {worst['sequence']}): {'met' if gap >= -0.005 else 'SHORT'}"
+        )
+        aligned = [entry for entry in fills if entry["alignment"] > 1]
+        short = [entry for entry in aligned if entry["packfn_fill"] < entry["bfd_fill"]]
+        best = max(aligned, key=lambda entry: entry["packfn_fill"] - entry["bfd_fill"])
+        lines.append(
+            f"alignments 16, 128: packfn fill >= BFD on the aligned sizes with the same cap on "
+            f"{len(aligned) - len(short)} of {len(aligned)}: {'met' if not short else 'SHORT'}; largest gain "
+            f"{best['packfn_fill'] - best['bfd_fill']:+.3f} ({best['stream']}, {best['sequence']}, "
+            f"a={best['alignment']}, cap {best['cap']})"
+        )
     for entry in times:
         bound = entry["within_bound"]
         verdicts = [f"within 4x (bare + 2 writes): {bound:.2f}x {'met' if bound <= 4 else 'SHORT'}"]
@@ -310,6 +388,13 @@ def targets(fills: list[dict], times: list[dict]) -> list[str]:
             ratio = entry["trl_over_packfn"]
             verdicts.append(f"10x faster than TRL: {ratio:.1f}x {'met' if ratio >= 10 else 'SHORT'}")
         lines.append(f"time {entry['stream']}, {entry['sequence']}: " + "; ".join(verdicts))
+    if loader:
+        worst = max(loader, key=lambda entry: entry["on_over_off"])
+        ratio = worst["on_over_off"]
+        lines.append(
+            f"loader: packing statistics within 1.02x of the loader's time without them on {len(loader)} streams; "
+            f"worst {ratio:.3f}x ({worst['stream']}): {'met' if ratio <= 1.02 else 'SHORT'}"
+        )
     return lines
 
 
@@ -323,7 +408,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--threads", type=int, default=1, help="torch threads (1: a DataLoader worker's setting, the default)"
     )
+    parser.add_argument(
+        "--parts",
+        nargs="+",
+        choices=PARTS,
+        default=list(PARTS),
+        help="fills: every packer's rows; times: packing time; loader: PackedDataset with statistics on and off",
+    )
     arguments = parser.parse_args(argv)
+    if arguments.rounds < 1:
+        parser.error(f"--rounds must be at least 1, got {arguments.rounds}")
     torch.set_num_threads(arguments.threads)
     streams = STREAMS[:2] if arguments.quick else STREAMS
     sequences = (4096,) if arguments.quick else SEQUENCES
@@ -334,7 +428,8 @@ def main(argv: list[str] | None = None) -> int:
         datasets.disable_progress_bars()
     except ImportError:
         pass
-    status = anchors_available()
+    parts = set(arguments.parts)
+    status = anchors_available() if parts & {"fills", "times"} else {}
     for name, why in status.items():
         if why is not None:
             print(f"{name}: {why}")
@@ -343,13 +438,18 @@ def main(argv: list[str] | None = None) -> int:
         f"{time.strftime('%Y-%m-%d')}, {torch.get_num_threads()} torch threads"
     )
     print(header, flush=True)
-    fills = fill_grid(streams, sequences, status, arguments.documents)
-    times = time_grid(streams, sequences, status, rounds, arguments.max_documents, arguments.documents)
-    verdicts = targets(fills, times)
+    fills = fill_grid(streams, sequences, status, arguments.documents) if "fills" in parts else []
+    times = (
+        time_grid(streams, sequences, status, rounds, arguments.max_documents, arguments.documents)
+        if "times" in parts
+        else []
+    )
+    loader = loader_grid(streams, rounds, arguments.max_documents, arguments.documents) if "loader" in parts else []
+    verdicts = targets(fills, times, loader)
     print("\n".join(["== targets ==", *verdicts]))
     arguments.json.parent.mkdir(parents=True, exist_ok=True)
     arguments.json.write_text(
-        json.dumps({"header": header, "fills": fills, "times": times, "targets": verdicts}, indent=1)
+        json.dumps({"header": header, "fills": fills, "times": times, "loader": loader, "targets": verdicts}, indent=1)
     )
     print(f"wrote {arguments.json}")
     return 0

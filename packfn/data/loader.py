@@ -48,6 +48,7 @@ from packfn.data.batch import token_positions
 from packfn.data.examples import IGNORE_INDEX, Examples, Tokens, concatenate, decode_example
 from packfn.data.fit import Items, checked_budgets
 from packfn.data.packer import Carry, Window, batch_and_items, pack_window
+from packfn.data.stats import batch_stats
 from packfn.formats import shift_labels
 
 __all__ = ["BATCH_KEYS", "IGNORE_INDEX", "PackedDataset"]
@@ -63,8 +64,10 @@ BATCH_KEYS = (
     "seq_lens_padded",
     "documents",
     "document_offsets",
+    "packing_stats",
 )
-"""The keys of every batch :class:`PackedDataset` yields (see its docstring)."""
+"""The keys of every batch :class:`PackedDataset` yields (see its docstring); ``packing_stats`` is left out
+with ``packing_stats=False``."""
 
 _STATE_VERSION = 1
 
@@ -127,7 +130,13 @@ class PackedDataset(IterableDataset):
       :func:`packfn.aligned_layout` and :func:`packfn.shard_packed_batch`;
     - ``documents``, ``document_offsets`` int64 ``[B, D]``: the index of
       each slot's example and the first token of it the slot holds (-1 and
-      0 when absent), for logging and checks.
+      0 when absent), for logging and checks;
+    - ``packing_stats`` float64 ``[len(STATS_FIELDS)]``: how well the batch
+      is packed (fill, documents per row, split pieces, what closed each
+      row), the fields of :class:`packfn.data.stats.PackingStats` in the
+      order of :data:`~packfn.data.stats.STATS_FIELDS`;
+      :func:`~packfn.data.stats.stats_dict` reads it (or a stack of them)
+      back. Not there with ``packing_stats=False``.
 
     Args:
         examples: An HF ``datasets.Dataset`` with an ``input_ids`` column
@@ -144,6 +153,10 @@ class PackedDataset(IterableDataset):
         rank, world: This data-parallel rank and the number of ranks.
         drop_last: Drop each shard's last, partly filled batch.
         padding_token_id: ``input_ids`` at padding (an int that int64 holds).
+        packing_stats: Add ``packing_stats`` to every batch (on by default:
+            it costs under 2% of the loader's time, ``scripts/bench_packer.py
+            --parts loader``). It changes no other key and no state: a state
+            saved with it on resumes with it off.
 
     Each shard (a worker of a rank) yields its own batches, so ranks may
     yield a different number of batches per epoch.
@@ -176,6 +189,7 @@ class PackedDataset(IterableDataset):
         world: int = 1,
         drop_last: bool = False,
         padding_token_id: int = 0,
+        packing_stats: bool = True,
     ) -> None:
         super().__init__()
         self._budgets = checked_budgets(sequence, alignment, max_documents, budget, pad_to_multiple_of, split, strategy)
@@ -185,14 +199,14 @@ class PackedDataset(IterableDataset):
         self.rank = check_int(rank, "rank", minimum=0)
         if self.rank >= self.world:
             raise ValueError(f"rank must be in [0, world={self.world}), got {self.rank}")
-        for name, value in (("shuffle", shuffle), ("drop_last", drop_last)):
+        for name, value in (("shuffle", shuffle), ("drop_last", drop_last), ("packing_stats", packing_stats)):
             if not isinstance(value, bool):
                 raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
         self.seed = check_int(seed, "seed")
         self.padding_token_id = check_int(padding_token_id, "padding_token_id")
         if not -(2**63) <= padding_token_id < 2**63:
             raise ValueError(f"padding_token_id must fit in int64 (input_ids' dtype), got {padding_token_id}")
-        self.shuffle, self.drop_last = shuffle, drop_last
+        self.shuffle, self.drop_last, self.packing_stats = shuffle, drop_last, packing_stats
         self._examples = Examples(examples)
         if shuffle and self._examples.count is None:
             raise ValueError("shuffle=True needs indexable examples (a sequence or a datasets.Dataset)")
@@ -498,6 +512,7 @@ class _PackedIterator:
         self.dataset, self.shard = dataset, shard
         self.resume: dict[str, Any] | None = None
         self.batches: Iterator | None = None
+        self.window_stats: tuple[Window, tuple[torch.Tensor, ...]] | None = None  # the window's packing_stats
         if pending is not None:
             self._resume_from(pending)
         self.state = self.resume or _fresh_state()
@@ -541,7 +556,30 @@ class _PackedIterator:
             self.state = state
             self.dataset._states[self.shard.key] = state
             if packed is not None:
-                return _tensors(packed, rows, store, self.dataset)
+                batch = _tensors(packed, rows, store, self.dataset)
+                if self.dataset.packing_stats:
+                    batch["packing_stats"] = self._stats(packed, state["emitted"] - 1)
+                return batch
+
+    def _stats(self, packed: Window, index: int) -> torch.Tensor:
+        """``packing_stats`` of batch ``index`` of a packed window: the window's batches are counted at once."""
+        if self.window_stats is None or self.window_stats[0] is not packed:
+            plan, budgets = packed.plan, self.dataset._budgets
+            # Without split every piece is a whole document.
+            total = packed.items.total.index_select(0, plan.item) if budgets.split else None
+            stats = batch_stats(
+                plan.row,
+                plan.length,
+                total,
+                plan.closed,
+                packed.batches,
+                batch=self.dataset.batch,
+                sequence=budgets.sequence,
+                budget=budgets.budget,
+            )
+            # One tensor for the window, a row of it for each batch (rows do not overlap: no batch sees another's).
+            self.window_stats = packed, torch.tensor(stats, dtype=torch.float64).unbind(0)
+        return self.window_stats[1][index]
 
 
 def _tensors(packed: Window, rows: torch.Tensor, store, dataset: PackedDataset) -> dict[str, torch.Tensor]:

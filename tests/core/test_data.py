@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 from torch.utils.data import DataLoader
 
 from packfn import aligned_layout, packed_position_ids, varlen_metadata
-from packfn.data import loader as data_module
 from packfn.data import BATCH_KEYS, IGNORE_INDEX, PackedDataset
+from packfn.data import loader as data_module
 
 from tests.strategies_packer import budgets, token_documents
 
@@ -93,7 +93,8 @@ def test_every_batch_fits_the_static_ops_and_carries_every_token_once(case):
     shape = (kwargs["batch"], kwargs["sequence"])
     for batch in batches:
         assert tuple(batch) == BATCH_KEYS
-        assert all(batch[key].dtype == torch.int64 for key in BATCH_KEYS)
+        assert all(batch[key].dtype == torch.int64 for key in BATCH_KEYS if key != "packing_stats")
+        assert batch["packing_stats"].dtype == torch.float64  # tests/core/test_stats.py checks its values
         assert batch["input_ids"].shape == batch["labels"].shape == batch["document_ids"].shape == shape
         assert batch["seq_lens"].shape == (kwargs["batch"], kwargs["max_documents"])
         varlen_metadata(batch["document_ids"], max_documents=kwargs["max_documents"])
