@@ -8,10 +8,9 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["IGNORE_INDEX", "Examples", "Tokens", "check_lengths", "concatenate", "decode_example", "token_tensor"]
+from packfn.formats import IGNORE_INDEX
 
-IGNORE_INDEX = -100
-"""The label of a token that takes no loss (padding, and tokens a ``loss_mask`` drops)."""
+__all__ = ["IGNORE_INDEX", "Examples", "Tokens", "check_lengths", "concatenate", "decode_example", "token_tensor"]
 
 
 class Tokens(NamedTuple):
