@@ -7,7 +7,7 @@ import torch
 
 from packfn._ops._registry import Rule, assert_rules
 
-RULES = (Rule("first rule"), Rule("second rule", "upstream's second"), Rule("third rule"))
+RULES = (Rule("first rule"), Rule("second rule"), Rule("third rule"))
 
 
 def test_assert_rules_raises_with_the_rule_in_eager():

@@ -12,7 +12,8 @@ import packfn.nemo_automodel as drop_ins
 from packfn._ops._registry import Rule
 from packfn.nemo_automodel._trim import checked_ints, python_ints
 
-RULES = (Rule("first rule"), Rule("second rule", "upstream's second"), Rule("third rule"))
+# A drop-in's rules: one per flag of the core op, each with the message upstream raises for it.
+RULES = (Rule("first rule"), Rule("upstream's second"), Rule("third rule"))
 
 
 def test_python_ints_reads_values_in_eager():
