@@ -567,8 +567,8 @@ SEQ_LENS_RULES = (
 def _ends_at_or_before(ends: torch.Tensor, length: int) -> torch.Tensor:
     """int64 ``[R, length]``: how many entries of each sorted row of ``ends`` (``[R, D]``) lie at or before a column.
 
-    NOTE [Counting boundaries without a search]: each group of equal ends
-    writes its size once, at its column (by a scatter whose targets are
+    NOTE [Counting boundaries without a search]
+    Each group of equal ends writes its size once, at its column (by a scatter whose targets are
     distinct: the other ends go to spare slots of their own, so there are no
     atomics and no ordering to depend on), and a running sum over the columns
     counts them. Linear in ``length``, where a search would be

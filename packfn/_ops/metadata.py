@@ -51,9 +51,10 @@ def mask_rules(max_documents: int, name: str = "document_ids") -> tuple[Rule, ..
 def mask_flags(document_ids: torch.Tensor, check: bool) -> torch.Tensor:
     """Bool ``[3]``: the :func:`mask_rules` flags of ``[batch, sequence]`` ids (``D = sequence``), all False unchecked.
 
-    NOTE [Check once]: a public function that has the flags of a mask
-    already (from the first op it called on it) passes ``check=False`` to
-    the others, so no op parses the mask twice.
+    NOTE [Check once]
+    A public function that has the flags of a mask already (from the first
+    op it called on it) passes ``check=False`` to the others, so no op
+    parses the mask twice.
     """
     if not check:
         return document_ids.new_zeros(3, dtype=torch.bool)
