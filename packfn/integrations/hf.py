@@ -11,6 +11,13 @@ once] in :mod:`packfn._ops.metadata`). It reads the model's config (attention ba
 windows, layer types) and never imports transformers; under
 ``torch.compile(fullgraph=True)`` it adds no graph break and no host sync.
 
+:func:`apply_packfn` patches a model in place (its ``forward`` only) so that
+it takes a packed batch's ``document_ids`` and calls :func:`hf_model_inputs`
+itself, inside the compiled forward; the model keeps its class, config and
+state dict, so it saves and loads as the plain transformers model.
+:class:`PackedCollator` pads rows of documents into static packed batches.
+The Trainer's loader, checkpoints and logs are :mod:`packfn.integrations.trainer`.
+
 NOTE [transformers' own packed path needs use_cache=False]
 Given restarting ``position_ids`` and no ``attention_mask``, transformers
 (``masking_utils.find_packed_sequence_indices``) builds document masks
@@ -23,6 +30,7 @@ does not matter (``tests/integrations/test_hf.py`` pins both facts).
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -40,7 +48,7 @@ from packfn.data.examples import token_tensor
 from packfn.formats import document_ids_from_seq_lens, ignore_first_tokens, shift_labels
 from packfn.masks import additive_mask, check_window, checked_block_mask
 
-__all__ = ["PackedCausalLM", "PackedCollator", "hf_model_inputs"]
+__all__ = ["PackedCollator", "PackedForward", "apply_packfn", "hf_model_inputs"]
 
 
 # Models whose use_bidirectional_attention=True makes every layer attend both
@@ -360,8 +368,9 @@ class PackedCollator:
     ``seq_lens``; without them the row is one document. Rows are padded to
     ``sequence``, so every batch has the same shape: unlike
     ``DataCollatorWithFlattening``, whose ``[1, T]`` changes with every batch,
-    one compiled graph serves every step. Pair it with :class:`PackedCausalLM`,
-    which turns the ids into the model's inputs inside that graph.
+    one compiled graph serves every step. Pair it with a model patched by
+    :func:`apply_packfn`, which turns the ids into the model's inputs inside
+    that graph.
 
     Returns a dict of int64 ``[batch, sequence]`` tensors: ``input_ids``
     (``pad_token_id`` at padding), ``labels`` (-100 at padding and at each
@@ -425,36 +434,150 @@ class PackedCollator:
         return {"input_ids": input_ids, "labels": labels, "document_ids": document_ids}
 
 
-class PackedCausalLM(torch.nn.Module):
-    """A transformers causal LM that takes ``document_ids``, its inputs built by :func:`hf_model_inputs` in the forward.
+# ------------------------------------------------ the model patched in place
 
-    ``Trainer(model=PackedCausalLM(model), data_collator=PackedCollator(sequence),
-    args=TrainingArguments(..., torch_compile=True, remove_unused_columns=False))``
-    then trains on packed rows with one compiled graph for every attention
-    backend (position ids, masks or flash boundaries and shifted labels are
-    built inside it, with no host sync). ``num_items_in_batch`` (Trainer's
-    count of labels) goes to the model's loss, so gradient accumulation
-    weighs every target alike. Save ``wrapper.model``.
+_PACKED_ONLY = ("seq_lens", "seq_lens_padded", "documents", "document_offsets", "packing_stats")
+"""Keys of a :class:`packfn.data.PackedDataset` batch that no model reads: accepted by the patched forward, dropped."""
 
-    Args:
-        model: A transformers causal LM.
-        **options: Keyword arguments of :func:`hf_model_inputs`
-            (``attn_implementation``, ``block_size``, ``sliding_window``, ``dtype``).
+_REBUILT = ("position_ids", "shift_labels")
+"""Keys of a packed batch that :func:`hf_model_inputs` builds again from its document ids, inside the graph."""
+
+
+class PackedForward:
+    """The forward :func:`apply_packfn` puts on a model (``model.forward``): packed batches in, the model's outputs out.
+
+    A plain object, not a module and not a bound method: it adds no
+    parameter, buffer or submodule (the state dict keeps its keys), and it
+    pickles and deep-copies with its model (a copy's forward runs the
+    copy's weights; a bound method would unpickle as the class's forward).
+
+    Called with ``document_ids`` (``[batch, sequence]``, the packing format
+    of :mod:`packfn.metadata`), it builds the model's inputs with
+    :func:`hf_model_inputs` (``input_ids``, ``labels``, ``options``) and
+    calls the forward it replaced with them and every other keyword
+    (``num_items_in_batch``, ``use_cache``, ``inputs_embeds``, ...). The
+    other keys of a :class:`packfn.data.PackedDataset` batch are accepted:
+    ``position_ids`` and ``shift_labels`` are built again from the ids
+    (the same values, in the graph), and ``seq_lens``, ``seq_lens_padded``,
+    ``documents``, ``document_offsets`` and ``packing_stats`` are dropped.
+    Without ``document_ids`` it is the forward it replaced (``generate``
+    and unpacked batches are unchanged).
+
+    Attributes:
+        model: The patched model.
+        options: The keyword arguments of :func:`hf_model_inputs`.
+        inner: The instance forward it replaced (another patch, such as
+            TRL's fused LM head), or None for the class's own ``forward``.
     """
 
-    accepts_loss_kwargs = True
+    def __init__(self, model: torch.nn.Module, inner: Any, options: dict[str, Any]) -> None:
+        self.model, self.inner, self.options = model, inner, options
+        self.__signature__ = _packed_signature(inner if inner is not None else model.forward)
 
-    def __init__(self, model: torch.nn.Module, **options: Any) -> None:
-        super().__init__()
-        self.model = model
-        self.options = options
-
-    @property
-    def config(self) -> Any:
-        return self.model.config
-
-    def forward(
-        self, input_ids: torch.Tensor, document_ids: torch.Tensor, labels: torch.Tensor | None = None, **kwargs: Any
-    ) -> Any:
+    def __call__(self, *args: Any, document_ids: torch.Tensor | None = None, **kwargs: Any) -> Any:
+        for key in _PACKED_ONLY:
+            kwargs.pop(key, None)
+        if document_ids is None:
+            return self._forward(*args, **kwargs)
+        if len(args) > 1:
+            raise TypeError("with document_ids, pass the model's inputs by keyword (input_ids may be positional)")
+        input_ids = args[0] if args else kwargs.pop("input_ids", None)
+        labels = kwargs.pop("labels", None)
+        for key in _REBUILT:
+            kwargs.pop(key, None)
         inputs = hf_model_inputs(document_ids, self.model.config, input_ids=input_ids, labels=labels, **self.options)
-        return self.model(**inputs, **kwargs)
+        clash = sorted(inputs.keys() & kwargs.keys())
+        if clash:
+            raise ValueError(f"document_ids build {clash} for the model: pass one or the other, not both")
+        return self._forward(**inputs, **kwargs)
+
+    def _forward(self, *args: Any, **kwargs: Any) -> Any:
+        """The forward this one replaced: another patch's, or the class's (looked up at call time)."""
+        if self.inner is not None:
+            return self.inner(*args, **kwargs)
+        return type(self.model).forward(self.model, *args, **kwargs)
+
+
+def _packed_signature(forward: Any) -> inspect.Signature:
+    """``forward``'s signature with ``document_ids`` and the other packed batch keys as keyword-only parameters.
+
+    Trainer reads it to keep a batch's columns (``remove_unused_columns``)
+    and to pass ``num_items_in_batch`` (a ``**kwargs`` parameter).
+    """
+    try:
+        signature = inspect.signature(forward)
+    except (TypeError, ValueError):
+        signature = inspect.Signature([inspect.Parameter("kwargs", inspect.Parameter.VAR_KEYWORD)])
+    parameters = list(signature.parameters.values())
+    names = {parameter.name for parameter in parameters}
+    added = [
+        inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None)
+        for name in ("document_ids", *_REBUILT, *_PACKED_ONLY)
+        if name not in names
+    ]
+    tail = [parameter for parameter in parameters if parameter.kind == inspect.Parameter.VAR_KEYWORD]
+    head = [parameter for parameter in parameters if parameter.kind != inspect.Parameter.VAR_KEYWORD]
+    if not tail:
+        tail = [inspect.Parameter("kwargs", inspect.Parameter.VAR_KEYWORD)]
+    return signature.replace(parameters=[*head, *added, *tail])
+
+
+def apply_packfn(model: torch.nn.Module, **options: Any) -> torch.nn.Module:
+    """Patch a transformers causal LM in place so its forward takes packed batches (``document_ids``); return it.
+
+    As Liger-Kernel's ``apply_liger_kernel_to_*`` do, the model stays what
+    it was: the same class, config and state dict keys, so
+    ``save_pretrained``, the Trainer's ``save_model`` and every
+    ``checkpoint-N`` write the plain model, which
+    ``AutoModelForCausalLM.from_pretrained`` loads (unpatched: apply the
+    patch again to train it on packed batches). Only ``model.forward``
+    changes, to a :class:`PackedForward`::
+
+        model = apply_packfn(AutoModelForCausalLM.from_config(config))
+        loss = model(input_ids=tokens, document_ids=ids, labels=tokens).loss   # each document alone
+
+    The inputs are built inside the forward, so ``torch.compile(model,
+    fullgraph=True)`` (or Trainer's ``torch_compile=True``) compiles them
+    with the model into one graph, with no host read, and batches of one
+    shape with new contents reuse it.
+
+    Applied again, the forward stays packfn's and takes the new
+    ``options``. A model whose forward another patch replaced after
+    packfn's (TRL's ``SFTTrainer`` puts its fused LM head there) gets
+    packfn's on top again, so the documents reach that patch's backbone
+    call as masks and position ids.
+
+    Args:
+        model: A transformers causal LM (``PreTrainedModel``; any module
+            with a ``config`` whose forward takes transformers' keywords).
+        **options: Keyword arguments of :func:`hf_model_inputs`
+            (``attn_implementation``, ``block_size``, ``sliding_window``,
+            ``dtype``, ``causal``).
+
+    Returns:
+        ``model`` itself.
+
+    Raises:
+        TypeError: ``model`` is not a module with a ``config``, or an
+            option is not a keyword of :func:`hf_model_inputs`.
+    """
+    if not isinstance(model, torch.nn.Module) or getattr(model, "config", None) is None:
+        raise TypeError(
+            f"apply_packfn patches a transformers model (a module with a config), got {type(model).__name__}"
+        )
+    unknown = sorted(set(options) - _OPTIONS)
+    if unknown:
+        raise TypeError(f"apply_packfn takes the options of hf_model_inputs ({sorted(_OPTIONS)}), got {unknown}")
+    current = model.__dict__.get("forward")
+    if isinstance(current, PackedForward):
+        current.options = dict(options)
+    else:
+        model.forward = PackedForward(model, current, dict(options))
+    return model
+
+
+_OPTIONS = frozenset(
+    name
+    for name, parameter in inspect.signature(hf_model_inputs).parameters.items()
+    if parameter.kind == inspect.Parameter.KEYWORD_ONLY and name not in ("input_ids", "labels")
+)

@@ -1,13 +1,23 @@
-"""transformers.Trainer on static packed batches: PackedCollator and PackedCausalLM, compiled, loss per document.
+"""A transformers model patched by apply_packfn, and transformers.Trainer on packed batches: compiled, saved, loaded.
 
-A tiny Llama built from a config (random weights, nothing downloaded) trains
-a few steps under ``torch_compile`` with the learning rate at 0, so that every
-step's loss can be held to the loss of each document run alone through the
-same weights. The compile uses AOTAutograd without Inductor: graph breaks and
-recompiles are Dynamo's, and the C++ compile would take most of the time.
+A tiny Llama built from a config (random weights, nothing downloaded) is
+patched in place: it keeps its class, state dict keys and config, takes a
+``PackedDataset`` batch (``document_ids`` and the rest), pickles and
+deep-copies with its weights, and ``save_pretrained`` / the Trainer's
+``save_model`` write what ``AutoModelForCausalLM.from_pretrained`` loads.
+Under ``Trainer(torch_compile=True)`` it trains a few steps with the
+learning rate at 0, so that every step's loss can be held to the loss of
+each document run alone. The compiles use AOTAutograd without Inductor
+(``aot_eager``): graph breaks and recompiles are Dynamo's, and the C++
+compile would take most of the time. Checkpoints, resume and the packing
+stats: ``tests/integrations/test_hf_resume.py``; TRL: ``test_hf_trl.py``.
 """
 
 from __future__ import annotations
+
+import copy
+import inspect
+import pickle
 
 import accelerate  # noqa: F401  (Trainer needs it)
 import pytest
@@ -17,9 +27,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch._dynamo.utils import counters
 
-from packfn.integrations.hf import PackedCausalLM, PackedCollator
+from packfn.data import PackedDataset
+from packfn.integrations.hf import PackedCollator, PackedForward, apply_packfn
+from packfn.integrations.trainer import apply_packfn_to_trainer
 
 from tests.assertions import assert_same
+from tests.integrations.packed_training import documents, per_document_loss
 
 SEQUENCE = 24
 ROWS = [[5, 9, 3], [24], [2, 2, 2, 7], [11, 6]]  # documents per row; the last rows leave padding
@@ -33,30 +46,22 @@ def features(seed: int = 0) -> list[dict[str, list[int]]]:
     ]
 
 
-def tiny_llama(implementation: str = "sdpa"):
+def tiny_llama(implementation: str = "sdpa", layers: int = 2):
+    """Random weights (seeded); the compiled tests take one layer (Dynamo's tracing is most of their time)."""
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=64, attn_implementation=implementation,
     )  # fmt: skip
     return transformers.LlamaForCausalLM(config)
 
 
-def per_document_loss(model, rows: list[dict[str, list[int]]]) -> torch.Tensor:
-    """Every document alone through the model: the summed token losses over the number of targets."""
-    total, targets = torch.zeros((), dtype=torch.float64), 0
-    with torch.no_grad():
-        for row in rows:
-            start = 0
-            for length in row["seq_lengths"]:
-                tokens = torch.tensor([row["input_ids"][start : start + length]])
-                start += length
-                if length < 2:
-                    continue
-                logits = model(input_ids=tokens).logits[0, :-1].double()
-                total += torch.nn.functional.cross_entropy(logits, tokens[0, 1:], reduction="sum")
-                targets += length - 1
-    return total / targets
+def loader_batches(count: int = 3, **kwargs) -> list[dict[str, torch.Tensor]]:
+    """The first ``count`` batches of a PackedDataset over the shared documents (packing_stats included)."""
+    dataset = PackedDataset(documents(), batch=2, sequence=SEQUENCE, max_documents=6, **kwargs)
+    batches = [batch for _, batch in zip(range(count), dataset, strict=False)]
+    assert len(batches) == count
+    return batches
 
 
 def test_collator_builds_static_rows_with_document_ids():
@@ -110,34 +115,144 @@ def test_collator_takes_missing_or_null_labels_as_the_tokens():
         assert PackedCollator(4)([feature])["labels"].tolist() == [[-100, 5, 6, -100]]
 
 
-def test_trainer_trains_compiled_with_one_graph_and_the_per_document_loss(tmp_path):
+# ------------------------------------------------------------------ the patched model
+
+
+def test_patched_model_keeps_its_class_state_dict_keys_and_config():
     model = tiny_llama()
-    rows = features()
-    expected = per_document_loss(model, rows)
+    keys, config = list(model.state_dict()), model.config
+    assert apply_packfn(model, block_size=16) is model
+    assert type(model) is transformers.LlamaForCausalLM
+    assert list(model.state_dict()) == keys
+    assert model.config is config
+    assert isinstance(model.forward, PackedForward) and model.forward.options == {"block_size": 16}
+    parameters = inspect.signature(model.forward).parameters
+    assert {"input_ids", "labels", "document_ids", "documents", "packing_stats", "kwargs"} <= set(parameters)
+    # Applied again: still one packfn layer, with the new options.
+    apply_packfn(model)
+    assert model.forward.inner is None and model.forward.options == {}
+
+
+def test_apply_packfn_refuses_what_it_cannot_patch():
+    with pytest.raises(TypeError, match="a module with a config"):
+        apply_packfn(torch.nn.Linear(2, 2))
+    with pytest.raises(TypeError, match=r"options of hf_model_inputs .*got \['window'\]"):
+        apply_packfn(tiny_llama(), window=4)
+
+
+def test_patched_forward_takes_a_loader_batch_with_the_per_document_loss():
+    model = apply_packfn(tiny_llama()).eval()
+    batch = loader_batches(1)[0]
+    assert "packing_stats" in batch and "documents" in batch  # every key of the loader's batch is taken
+    with torch.no_grad():
+        loss = model(**batch).loss
+        assert float(loss) == pytest.approx(float(per_document_loss(model, batch)), rel=1e-5)
+        # Without document_ids the forward is the class's own.
+        tokens = batch["input_ids"]
+        plain = transformers.LlamaForCausalLM.forward
+        assert_same(model(input_ids=tokens).logits, plain(model, input_ids=tokens).logits)
+        assert_same(model(tokens).logits, plain(model, tokens).logits)
+    with pytest.raises(ValueError, match=r"document_ids build \['attention_mask'\]"):
+        model(**batch, attention_mask=torch.ones_like(tokens))
+
+
+def test_patched_model_compiles_to_one_graph_across_batches_of_new_contents():
+    """fullgraph through AOTAutograd, forward and backward, the loader's whole batch (stats included) as input."""
+    model = apply_packfn(tiny_llama(layers=1))
+    counters.clear()
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+        for batch in loader_batches(3, shuffle=True):
+            loss = compiled(**batch).loss
+            loss.backward()
+            torch.testing.assert_close(loss, model(**batch).loss, rtol=1e-6, atol=1e-6)
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+    torch._dynamo.reset()
+
+
+def test_patched_model_deep_copies_and_pickles_with_its_own_weights():
+    model = apply_packfn(tiny_llama()).eval()
+    batch = loader_batches(1)[0]
+    with torch.no_grad():
+        expected = model(**batch).logits
+        for twin in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+            assert isinstance(twin.forward, PackedForward) and twin.forward.model is twin
+            assert_same(twin(**batch).logits, expected)
+            twin.lm_head.weight.mul_(2)  # the twin's forward runs the twin's weights, not the original's
+            assert not torch.equal(twin(**batch).logits, expected)
+            assert_same(model(**batch).logits, expected)
+
+
+def test_save_pretrained_writes_the_plain_model_that_from_pretrained_loads(tmp_path):
+    model = apply_packfn(tiny_llama()).eval()
+    model.save_pretrained(tmp_path)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert type(loaded) is transformers.LlamaForCausalLM and "forward" not in loaded.__dict__  # unpatched
+    batch = loader_batches(1)[0]
+    with torch.no_grad():
+        assert_same(loaded(input_ids=batch["input_ids"]).logits, model(input_ids=batch["input_ids"]).logits)
+        assert_same(apply_packfn(loaded)(**batch).logits, model(**batch).logits)
+
+
+def test_patched_model_takes_collated_rows_with_the_eager_backend():
+    """Eager attention takes an additive mask (the other backends: tests/integrations/test_hf.py)."""
+    model = apply_packfn(tiny_llama("eager")).eval()
+    batch = PackedCollator(SEQUENCE)(features(1))
+    with torch.no_grad():
+        output = model(**batch)
+    assert float(output.loss) == pytest.approx(float(per_document_loss(model, batch)), rel=1e-5)
+    assert_same(output.logits.shape, torch.Size([4, SEQUENCE, 64]))
+
+
+# ------------------------------------------------------------------ Trainer
+
+
+def test_trainer_trains_compiled_with_one_graph_and_the_per_document_loss(tmp_path):
+    """Trainer(torch_compile=True) on a PackedDataset: one graph for new contents, every step's loss per document."""
+    model = tiny_llama(layers=1)
+    batches = loader_batches(3)
+    expected = [per_document_loss(model, batch) for batch in batches]
     arguments = transformers.TrainingArguments(
         output_dir=str(tmp_path), use_cpu=True, report_to=[], save_strategy="no", max_steps=3, logging_steps=1,
-        per_device_train_batch_size=len(rows), learning_rate=0.0, remove_unused_columns=False, disable_tqdm=True,
-        torch_compile=True, torch_compile_backend="aot_eager", seed=0,
+        learning_rate=0.0, ignore_data_skip=True, disable_tqdm=True, torch_compile=True,
+        torch_compile_backend="aot_eager", seed=0,
     )  # fmt: skip
-    trainer = transformers.Trainer(
-        model=PackedCausalLM(model), args=arguments, train_dataset=rows, data_collator=PackedCollator(SEQUENCE)
-    )
+    dataset = PackedDataset(documents(), batch=2, sequence=SEQUENCE, max_documents=6)
+    trainer = transformers.Trainer(model=apply_packfn(model), args=arguments, train_dataset=dataset)
+    apply_packfn_to_trainer(trainer)
     counters.clear()
-    trainer.train()
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        trainer.train()
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
-    assert len(losses) == 3
-    for loss in losses:
-        assert loss == pytest.approx(float(expected), rel=1e-5, abs=1e-6)
+    assert losses == pytest.approx([float(loss) for loss in expected], rel=1e-5, abs=1e-6)
     assert all(entry["grad_norm"] > 0 for entry in trainer.state.log_history if "grad_norm" in entry)
     assert not counters["graph_break"], dict(counters["graph_break"])
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
-
-
-def test_wrapper_loss_is_the_per_document_loss_for_the_eager_backend():
-    """Eager attention takes an additive mask (the others: tests/integrations/test_hf.py, through hf_model_inputs)."""
-    model = tiny_llama("eager")
-    batch = PackedCollator(SEQUENCE)(features(1))
+    torch._dynamo.reset()
+    trainer.save_model(str(tmp_path / "final"))
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "final")
+    assert (tmp_path / "final" / "config.json").is_file()
     with torch.no_grad():
-        wrapped = PackedCausalLM(model)(**batch)
-    assert float(wrapped.loss) == pytest.approx(float(per_document_loss(model, features(1))), rel=1e-5)
-    assert_same(wrapped.logits.shape, torch.Size([4, SEQUENCE, 64]))
+        tokens = batches[0]["input_ids"]
+        assert_same(loaded.eval()(input_ids=tokens).logits, model.eval()(input_ids=tokens).logits)
+
+
+def test_apply_packfn_to_trainer_refuses_a_setup_that_cannot_resume(tmp_path):
+    dataset = PackedDataset(documents(), batch=2, sequence=SEQUENCE, max_documents=6)
+
+    def trainer(**overrides):
+        arguments = transformers.TrainingArguments(
+            output_dir=str(tmp_path), use_cpu=True, report_to=[], max_steps=1, **overrides
+        )
+        return transformers.Trainer(model=tiny_llama(), args=arguments, train_dataset=dataset)
+
+    with pytest.raises(ValueError, match="ignore_data_skip=True"):
+        apply_packfn_to_trainer(trainer())
+    with pytest.raises(TypeError, match=r"trains on a packfn\.data\.PackedDataset"):
+        apply_packfn_to_trainer(trainer(ignore_data_skip=True), dataset=[[1, 2, 3]])
+    other_rank = PackedDataset(documents(), batch=2, sequence=SEQUENCE, max_documents=6, rank=1, world=2)
+    with pytest.raises(ValueError, match=r"rank=args\.process_index"):
+        apply_packfn_to_trainer(trainer(ignore_data_skip=True), dataset=other_rank)
+    patched = apply_packfn_to_trainer(trainer(ignore_data_skip=True), block_size=16)  # an unpatched model is patched
+    assert patched.model.forward.options == {"block_size": 16}
