@@ -124,10 +124,11 @@ class CPVarlenMetadata(NamedTuple):
     :meth:`keys` of the gathered keys, flattened.
 
     Attributes:
-        cu_seqlens_q: int32: query boundaries, then ``batch * local`` repeated
-            (contiguous: ``[batch * budget + 1]``; balanced: four segments per
-            slot, the row's padding included, and one without queries per row,
-            ``[batch * (4 * (D + 1) + 1) + 1]``).
+        cu_seqlens_q: int32 query boundaries ending at ``batch * local``.
+            Contiguous: ``[batch * budget + 1]``, the total repeated past the
+            last segment; balanced: ``[batch * (4 * (D + 1) + 1) + 1]``, four
+            segments per slot (the row's padding is the last slot, some
+            segments empty) and one without queries per row.
         cu_seqlens_k: int32, the same shape: key boundaries over the flattened
             keys, ending at ``batch * key_length``.
         max_seqlen_q: int32 0-d.

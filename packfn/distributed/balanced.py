@@ -61,6 +61,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from packfn._ops._registry import named_value
 from packfn._ops.layout import pack_op
 from packfn._ops.metadata import search_running_sums
 from packfn._utils import round_up
@@ -125,16 +126,6 @@ def _slot_of(widths: torch.Tensor, count: int) -> torch.Tensor:
     return found - torch.arange(batch, device=widths.device).unsqueeze(1) * slots
 
 
-def _take(table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """``table[b, index[b, ...]]`` for a ``[batch, n]`` table and an index of any trailing shape."""
-    return table.gather(1, index.flatten(1)).view(index.shape)
-
-
-def _read(table: torch.Tensor, index: torch.Tensor, fill: int) -> torch.Tensor:
-    """``table[b, index[b, j]]``, ``fill`` where ``index`` is -1."""
-    return torch.where(index >= 0, table.gather(1, index.clamp_min(0)), fill)
-
-
 def _inverse(source: torch.Tensor, width: int) -> torch.Tensor:
     """int64 ``[batch, width]``: the column of ``source`` that holds each value, -1 for values it lacks.
 
@@ -149,32 +140,30 @@ def _inverse(source: torch.Tensor, width: int) -> torch.Tensor:
     ]
 
 
-def _width_columns(tables: _Slots, rotation: torch.Tensor, slots: torch.Tensor, world: int) -> torch.Tensor:
-    """int64 ``[batch, world, local]``: the width column of each shard column, for every rank."""
+def _per_column(tables: list[torch.Tensor], index: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Each ``[batch, n]`` table read at ``index`` ``[batch, m]``, by one gather; each result contiguous."""
+    stacked = torch.stack(tables, 1)
+    return stacked.gather(2, index.unsqueeze(1).expand(-1, len(tables), -1)).unbind(1)
+
+
+def _width_columns(
+    tables: _Slots, lead: torch.Tensor, rotation: torch.Tensor, slots: torch.Tensor, world: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """int64 ``[batch, world * local]``, in gathered order: each column's width column, and the column of the
+    width row with the tokens first that holds its token (``lead`` columns back; -1 for padding)."""
     local = slots.shape[1]
-    chunk = _take(tables.chunk, slots).unsqueeze(1)
-    offset = (torch.arange(local, device=slots.device) - _take(tables.local_start, slots)).unsqueeze(1)
+    start, chunk, local_start, rotation, lead = (
+        table.unsqueeze(1)
+        for table in _per_column([tables.start, tables.chunk, tables.local_start, rotation, lead], slots)
+    )
+    offset = torch.arange(local, device=slots.device) - local_start
     ranks = torch.arange(world, device=slots.device).view(1, world, 1)
-    pair = (ranks + _take(rotation, slots).unsqueeze(1)) % world
+    pair = (ranks + rotation) % world
     # The first `chunk` columns of a slot's block are the head chunk `pair`,
     # the next `chunk` its tail chunk `2 * world - 1 - pair`.
-    head = offset < chunk
-    within = torch.where(head, pair * chunk + offset, (2 * world - 2 - pair) * chunk + offset)
-    return _take(tables.start, slots).unsqueeze(1) + within
-
-
-def _gathered_columns(
-    tables: _Slots, rotation: torch.Tensor, width_slots: torch.Tensor, world: int, local: int
-) -> torch.Tensor:
-    """int64 ``[batch, budget]``: the gathered column of each width column (the inverse of ``key_columns``)."""
-    budget = world * local
-    chunk = _take(tables.chunk, width_slots).clamp_min(1)  # a slot of width 0 holds no column
-    offset = torch.arange(budget, device=width_slots.device) - _take(tables.start, width_slots)
-    index, within = offset // chunk, offset % chunk
-    pair = torch.minimum(index, 2 * world - 1 - index)
-    rank = (pair - _take(rotation, width_slots)) % world
-    shard_column = _take(tables.local_start, width_slots) + within + torch.where(index < world, 0, chunk)
-    return rank * local + shard_column
+    within = torch.where(offset < chunk, pair * chunk + offset, (2 * world - 2 - pair) * chunk + offset)
+    columns = start + within
+    return columns.flatten(1), torch.where(within >= lead, columns - lead, -1).flatten(1)
 
 
 def balanced_layout(
@@ -204,9 +193,9 @@ def balanced_layout(
     used = widths.sum(1, keepdim=True)
     torch._assert_async(
         (used <= budget).all(),
-        f"shard_packed_batch: the documents of a row, each rounded up to 2 * world * alignment = {unit} columns, "
-        f"do not fit budget={budget}: pack them with pad_to_multiple_of={unit} (packfn.pack_documents, "
-        "pack_stream, packfn.data.PackedDataset)",
+        "shard_packed_batch: the documents of a row, each rounded up to a multiple of 2 * world * alignment "
+        f"({named_value('unit', unit)}), do not fit {named_value('budget', budget)}: pack them with "
+        "pad_to_multiple_of=2 * world * alignment (packfn.pack_documents, pack_stream, packfn.data.PackedDataset)",
     )
     # The width row with each slot's tokens at the start of its width.
     first = aligned_layout(seq_lens, seq_lens_padded, sequence_length=sequence_length, alignment=unit, budget=budget)
@@ -222,20 +211,17 @@ def balanced_layout(
     local = budget // world
     tables = _slot_tables(widths, world)
     slots = _slot_of(widths // world, local)
-    key_columns = _width_columns(tables, rotation, slots, world).flatten(1)
-    # Each gathered column reads the width row with the tokens first, `lead` columns back.
-    column_slots = slots.repeat(1, world)
-    shift = _take(lead, column_slots)
-    source = torch.where(key_columns - _take(tables.start, column_slots) >= shift, key_columns - shift, -1)
-    width_slots = _slot_of(widths, budget)
-    gathered = _gathered_columns(tables, rotation, width_slots, world, local)
-    written = first.input_positions  # the width column of each input column, tokens first
-    moved = written + _read(_take(lead, width_slots), written, 0)
+    key_columns, source = _width_columns(tables, lead, rotation, slots, world)
+    sources, positions, ids = _per_column(
+        [first.source_indices, first.position_ids, first.sequence_ids], source.clamp_min(0)
+    )
+    padding = source < 0
+    source_indices = sources.masked_fill(padding, -1)
     layout = PackedSequenceLayout(
-        source_indices=_read(first.source_indices, source, -1),
-        input_positions=_read(gathered, moved, -1),
-        position_ids=_read(first.position_ids, source, 0),
-        sequence_ids=_read(first.sequence_ids, source, 0),
+        source_indices=source_indices,
+        input_positions=_inverse(source_indices, sequence_length),
+        position_ids=positions.masked_fill(padding, 0),
+        sequence_ids=ids.masked_fill(padding, 0),
     )
     return layout, BalancePlan(widths, lead, rotation, key_columns, slots)
 
@@ -295,16 +281,16 @@ def balanced_kv_blocks(
     columns = plan.key_columns.view(batch, world, local)
     mine = columns[:, rank]
     tables = _slot_tables(plan.widths, world)
-    local_start, chunk = _take(tables.local_start, slots), _take(tables.chunk, slots)
+    local_start, chunk, rotation, lead = _per_column(
+        [tables.local_start, tables.chunk, plan.rotation, plan.lead], slots
+    )
     block_start = torch.arange(local, device=device) // block_size * block_size
     first_in_block = torch.maximum(local_start, block_start)
     run_end = torch.minimum(local_start + 2 * chunk, block_start + block_size)
     # Per key rank: the earliest real key of each column's document inside its block ([batch, world, local]).
     ranks = torch.arange(world, device=device).view(1, world, 1)
-    pair = (ranks + _take(plan.rotation, slots).unsqueeze(1)) % world
-    first_real = local_start.unsqueeze(1) + _first_real(
-        _take(plan.lead, slots).unsqueeze(1), pair, chunk.unsqueeze(1), world
-    )
+    pair = (ranks + rotation.unsqueeze(1)) % world
+    first_real = local_start.unsqueeze(1) + _first_real(lead.unsqueeze(1), pair, chunk.unsqueeze(1), world)
     candidate = torch.maximum(first_in_block.unsqueeze(1), first_real)
     never = torch.iinfo(torch.int64).max
     earliest = torch.where(candidate < run_end.unsqueeze(1), columns.gather(2, candidate.clamp_max(local - 1)), never)
@@ -313,7 +299,7 @@ def balanced_kv_blocks(
 
     def latest_real(slot: torch.Tensor) -> torch.Tensor:
         """``[batch, blocks]``: the latest width column of a real query of ``slot`` in each block, -1 if none."""
-        own = real & (slots == slot.repeat_interleave(block_size, dim=1))
+        own = real & (slots == slot.unsqueeze(2).expand(-1, -1, block_size).reshape(batch, local))
         return torch.where(own, mine, -1).view(batch, blocks, block_size).amax(-1)
 
     def pair_up(query: torch.Tensor, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -411,7 +397,7 @@ def balanced_varlen(
     """
     widths, lead = plan.widths, plan.lead
     budget = plan.key_columns.shape[1]
-    local, key_length = budget // world, budget + budget // (2 * world)
+    key_length = budget + budget // (2 * world)
     tables = _slot_tables(widths, world)
     chunk = tables.chunk
     head = (rank + plan.rotation) % world
@@ -425,22 +411,34 @@ def balanced_varlen(
     queries = F.pad(queries, (0, 1))
     cu_seqlens_q = F.pad(queries.flatten().cumsum(0), (1, 0)).to(torch.int32)
     cu_seqlens_k = F.pad(keys.flatten().cumsum(0), (1, 0)).to(torch.int32)
-    # The width column each buffer column copies.
-    segment = _slot_of(keys, key_length)
-    offset = torch.arange(key_length, device=widths.device) - _take(F.pad(keys, (1, 0)).cumsum(1), segment)
-    slot, kind = segment // 4, segment % 4
-    inside = segment < keys.shape[1] - 1  # not the last segment
-    slot = torch.where(inside, slot, 0)
-    start = _take(tables.start, slot)
-    chunk_index = torch.where(kind < 2, _take(head, slot), _take(tail, slot))
-    first_token = start + _take(lead, slot)
-    width_column = torch.where(kind % 2 == 0, start + chunk_index * _take(chunk, slot), first_token) + offset
-    width_slots = _slot_of(widths, budget)
-    gathered = _gathered_columns(tables, plan.rotation, width_slots, world, local)
-    source = _read(gathered, torch.where(inside, width_column, -1), -1)
-    second = kind == 3
-    first_source, second_source = torch.where(second, -1, source), torch.where(second, source, -1)
+    # Where each gathered key goes: the buffer columns of slot k start at `begin`, in the order of its segments.
+    segments = keys[:, :-1].view(keys.shape[0], -1, 4)
+    begin = F.pad(segments.sum(-1), (1, 0)).cumsum(1)[:, :-1]
+    starts = begin.unsqueeze(-1) + F.pad(segments, (1, 0)).cumsum(-1)[..., :-1]  # [batch, slots, 4]
+    column_slots = plan.slots.repeat(1, world)
+    per_slot = torch.stack([tables.start, chunk, lead, head, tail, padding[0], padding[1], *starts.unbind(-1)], 1)
+    # One gather of every per-slot table ([batch, 11, slots]) for every gathered column, each row contiguous.
+    index = column_slots.unsqueeze(1).expand(-1, per_slot.shape[1], -1)
+    start, size, first_token, head, tail, head_padding, tail_padding, *segment_start = per_slot.gather(2, index).unbind(
+        1
+    )
+    offset = plan.key_columns - start  # inside the slot's width
+    head_first, tail_first = head * size, tail * size
+
+    def within(first, end):
+        return (offset >= first) & (offset < end)
+
+    first_positions = torch.where(
+        within(head_first, head_first + head_padding),
+        segment_start[0] + offset - head_first,
+        torch.where(
+            within(first_token, head_first + size),
+            segment_start[1] + offset - first_token,
+            torch.where(within(tail_first, tail_first + tail_padding), segment_start[2] + offset - tail_first, -1),
+        ),
+    )
+    second_positions = torch.where(within(first_token, tail_first + size), segment_start[3] + offset - first_token, -1)
     tables_out = BalancedKeys(
-        first_source, _inverse(first_source, budget), second_source, _inverse(second_source, budget)
+        _inverse(first_positions, key_length), first_positions, _inverse(second_positions, key_length), second_positions
     )
     return cu_seqlens_q, cu_seqlens_k, queries.max().to(torch.int32), keys.max().to(torch.int32), tables_out

@@ -23,6 +23,7 @@ from packfn.distributed import (
     shard_packed_batch,
 )
 
+from tests.assertions import assert_same
 from tests.strategies_distributed import (
     ShardCase,
     head_tail_columns,
@@ -294,7 +295,7 @@ def test_packer_pad_to_multiple_of_two_world_alignment_fits_a_balanced_shard(wor
     )
     tokens = torch.ones_like(packed.document_ids)
     with pytest.raises(
-        RuntimeError, match=rf"rounded up to 2 \* world \* alignment = {unit}.*pad_to_multiple_of={unit}"
+        RuntimeError, match=rf"multiple of 2 \* world \* alignment \(unit={unit}\), do not fit budget={3 * unit}"
     ):
         shard_packed_batch(
             packed.seq_lens,
@@ -419,7 +420,8 @@ def test_balanced_argument_errors(kwargs, message):
 def test_documents_that_do_not_fit_at_the_balanced_width_trip_the_assert():
     tokens = torch.ones(1, 10, dtype=torch.int64)
     # 5 and 5 tokens take 8 + 8 columns at world 2, alignment 2: not within budget 8, though 10 tokens fit 16.
-    with pytest.raises(RuntimeError, match=r"= 8 columns, do not fit budget=8: pack them with pad_to_multiple_of=8"):
+    message = r"\(unit=8\), do not fit budget=8: pack them with pad_to_multiple_of=2 \* world \* alignment"
+    with pytest.raises(RuntimeError, match=message):
         shard_packed_batch(
             torch.tensor([[5, 5]]), input_ids=tokens, labels=tokens, rank=0, world=2, budget=8, alignment=2
         )
@@ -441,3 +443,18 @@ def test_work_matches_the_dense_mask(balance):
             balance=balance,
         )
         assert torch.equal(cp_attention_work(shard), cp_block_causal_mask(shard).sum((1, 2, 3)))
+
+
+def test_a_budget_that_changes_between_compiled_calls_traces_without_a_graph_break():
+    # Dynamo turns an int that changes between calls into a SymInt (automatic dynamic shapes): the balanced
+    # path and its assert message must trace with it.
+    torch._dynamo.reset()
+
+    def step(seq_lens, tokens, budget):
+        shard = shard_packed_batch(seq_lens, input_ids=tokens, labels=tokens, rank=1, world=2, budget=budget)
+        return shard.input_ids, cp_varlen_metadata(shard).cu_seqlens_k
+
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    seq_lens, tokens = torch.tensor([[5, 3]]), torch.arange(1, 9)[None]
+    for budget in (16, 24, 32):
+        assert_same(compiled(seq_lens, tokens, budget), step(seq_lens, tokens, budget))
