@@ -11,11 +11,13 @@ faster than the baseline).
 
     python scripts/bench.py                       # full run: sequence 4096 and 32768
     python scripts/bench.py --sequences 256 --repeats 3 --families metadata --json out.json
+    python scripts/bench.py --replot docs/bench.json --plot docs/bench.png   # redraw a saved run
 
 Mask ops also report their time over the floor, one pass over the mask
 (``(mask > 0).sum()`` on the same input, timed in the same rounds). Writes
-JSON (``--json``) and, where matplotlib is installed, a plot of time against
-sequence length on log scales (``--plot``).
+JSON (``--json``) and, where matplotlib is installed, a plot (``--plot``):
+one panel per function, each packfn variant's speed over its baseline
+(``baseline time / variant time``) at every size.
 
 ``--keep-freed-memory`` has glibc keep freed blocks of up to 32 MiB for
 reuse (see :func:`keep_freed_memory`), so that the mask ops' timings are the
@@ -161,42 +163,85 @@ def run(
 
 
 def plot(rows: list[dict], path: Path) -> bool:
-    """Time against sequence length per case and variant, log scales; False without matplotlib."""
+    """One panel per function: each packfn variant's speed over its baseline at each size; False without matplotlib.
+
+    A bar is ``baseline time / variant time`` on a log scale from 1 (up:
+    faster than the baseline, down: slower), labelled with its value; one
+    legend for the figure, a variant the same color in every panel.
+    """
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        from matplotlib import ticker
     except ImportError:
         return False
-    cases = sorted({(row["family"], row["case"]) for row in rows})
-    columns = 4
-    lines = (len(cases) + columns - 1) // columns
-    figure, axes = plt.subplots(lines, columns, figsize=(4.2 * columns, 3.2 * lines), squeeze=False)
-    for axis, (family, name) in zip(axes.flat, cases, strict=False):
-        selected = [row for row in rows if (row["family"], row["case"]) == (family, name)]
-        for (variant, mean), group in _group(selected).items():
-            group.sort(key=lambda row: row["sequence"])
-            axis.plot(
-                [row["sequence"] for row in group],
-                [row["median_ms"] for row in group],
-                marker="o",
-                label=f"{variant} (mean {mean})",
-            )
-        axis.set(xscale="log", yscale="log", title=f"{family}: {name}", xlabel="sequence", ylabel="ms")
-        axis.legend(fontsize=6)
-    for axis in list(axes.flat)[len(cases) :]:
-        axis.axis("off")
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
-    return True
-
-
-def _group(rows: list[dict]) -> dict[tuple[str, int], list[dict]]:
-    groups: dict[tuple[str, int], list[dict]] = {}
+    panels: dict[tuple[str, str, str], list[dict]] = {}
     for row in rows:
-        groups.setdefault((row["variant"], row["mean"]), []).append(row)
-    return groups
+        if row["variant"] != row["baseline"]:
+            panels.setdefault((row["family"], row["case"], row["baseline"]), []).append(row)
+    for key, selected in panels.items():  # packfn's variants, where the case has any
+        ours = [row for row in selected if row["variant"].startswith("packfn")]
+        panels[key] = ours or selected
+    variants = list(dict.fromkeys(row["variant"] for selected in panels.values() for row in selected))
+    palette = plt.get_cmap("tab10").colors
+    colors = {variant: palette[index % len(palette)] for index, variant in enumerate(variants)}
+    columns = min(4, len(panels))
+    lines = -(-len(panels) // columns)
+    figure, axes = plt.subplots(lines, columns, figsize=(4.4 * columns, 3.3 * lines + 0.8), squeeze=False)
+    for axis, ((family, name, baseline), selected) in zip(axes.flat, sorted(panels.items()), strict=False):
+        sizes = sorted({(row["sequence"], row["mean"]) for row in selected})
+        shown = [variant for variant in variants if any(row["variant"] == variant for row in selected)]
+        width = 0.8 / len(shown)
+        for offset, variant in enumerate(shown):
+            for position, size in enumerate(sizes):
+                row = next(
+                    (row for row in selected if (row["sequence"], row["mean"]) == size and row["variant"] == variant),
+                    None,
+                )
+                if row is None:
+                    continue
+                ratio = row["speedup"]
+                x = position - 0.4 + width * (offset + 0.5)
+                axis.bar(x, ratio - 1, bottom=1, width=width, color=colors[variant])
+                axis.annotate(
+                    f"{ratio:.2g}x" if ratio < 100 else f"{ratio:.0f}x",
+                    (x, ratio),
+                    ha="center",
+                    va="bottom" if ratio >= 1 else "top",
+                    fontsize=6 if len(shown) < 4 else 5,
+                    xytext=(0, 1 if ratio >= 1 else -1),
+                    textcoords="offset points",
+                )
+        axis.axhline(1, color="black", linewidth=0.8)
+        axis.set_yscale("log")
+        low, high = axis.get_ylim()
+        axis.set_ylim(min(low, 0.5), max(high, 2) * 1.6)  # room for the labels
+        axis.yaxis.set_major_locator(ticker.LogLocator(subs=(1.0, 2.0, 5.0)))
+        axis.yaxis.set_major_formatter(ticker.FuncFormatter(lambda value, _: f"{value:g}x"))
+        axis.yaxis.set_minor_formatter(ticker.NullFormatter())
+        axis.grid(axis="y", linewidth=0.3, alpha=0.5)
+        axis.set_xticks(range(len(sizes)), [f"S={sequence}\nmean {mean}" for sequence, mean in sizes], fontsize=7)
+        against = "" if baseline == "upstream" or " vs " in name else f" vs {baseline}"
+        axis.set_title(f"{family}: {name}{against}", fontsize=9)
+        axis.set_ylabel(f"{baseline} time / packfn time", fontsize=7)
+        axis.tick_params(axis="y", labelsize=7)
+    spare = list(axes.flat)[len(panels) :]
+    for axis in spare:
+        axis.axis("off")
+    handles = [plt.Rectangle((0, 0), 1, 1, color=colors[variant]) for variant in variants]
+    figure.suptitle("packfn against the function it replaces: baseline time / packfn time (above 1: packfn is faster)")
+    if spare:  # the legend in the first empty panel
+        spare[0].legend(handles, variants, loc="center", fontsize=9, frameon=False, title="variant")
+        figure.tight_layout(rect=(0, 0, 1, 0.97))
+    else:
+        legend_rows = -(-len(variants) // min(4, len(variants)))
+        figure.legend(handles, variants, loc="lower center", ncol=min(4, len(variants)), fontsize=8, frameon=False)
+        figure.tight_layout(rect=(0, 0.035 * legend_rows + 0.01, 1, 0.97))
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return True
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -217,7 +262,23 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--json", type=Path, default=Path("bench_results/bench.json"))
     parser.add_argument("--plot", type=Path, default=Path("bench_results/bench.png"))
+    parser.add_argument(
+        "--replot",
+        type=Path,
+        metavar="JSON",
+        help="draw --plot from the rows of a JSON this script wrote; time nothing",
+    )
     arguments = parser.parse_args(argv)
+    if arguments.replot is not None:
+        try:
+            rows = json.loads(arguments.replot.read_text())["rows"]
+        except (OSError, ValueError, KeyError, TypeError) as error:
+            parser.error(f"--replot {arguments.replot}: not a JSON this script wrote ({error})")
+        arguments.plot.parent.mkdir(parents=True, exist_ok=True)
+        if not plot(rows, arguments.plot):
+            parser.error("--replot needs matplotlib: pip install -e '.[profile]'")
+        print(f"wrote {arguments.plot}")
+        return 0
     if not 0 < arguments.sample_ms < math.inf:
         parser.error(f"--sample-ms must be a positive number of milliseconds, got {arguments.sample_ms}")
     if arguments.keep_freed_memory:

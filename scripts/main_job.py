@@ -41,7 +41,9 @@ alike); the report takes each driver's median over those turns: step time
 the fill of each pipeline's rows beside it. The three also compute the loss
 of packfn's first batch from the initial weights (loss parity). packfn's
 first pass runs under ``torch.profiler`` with a TensorBoard trace handler
-writing one run folder under ``--out``.
+writing one run folder under ``--out``; beside the trace, ``main_job.png``
+(with matplotlib) draws each pipeline's step times, real tokens per second
+and fill.
 
 Attention is SDPA with the dense bool block-causal mask: on the CPU,
 FlexAttention has no backward (torch 2.13 raises NotImplementedError).
@@ -88,6 +90,7 @@ __all__ = [
     "main",
     "make_pipelines",
     "parse_args",
+    "plot_summary",
     "run",
     "summarize_trace",
     "time_upstream_helpers",
@@ -96,6 +99,7 @@ __all__ = [
 # Each Inductor C++ kernel a named event in the trace (both compiled drivers are compiled with it).
 KERNEL_PROFILE = {"cpp.enable_kernel_profile": True}
 PACKFN = "packfn compiled"
+PLOT_INSTALL = "pip install -e '.[profile]'"
 UPSTREAM_EAGER = "upstream eager"
 UPSTREAM_COMPILED = "upstream compiled"
 _TITLES = {
@@ -189,6 +193,7 @@ class MainJobReport:
     upstream_helpers_s: float | None = None  # median eager time of the three upstream helpers on a batch
     trace_summary: TraceSummary | None = None
     parity: dict[str, float] = field(default_factory=dict)  # loss of packfn's first batch, initial weights
+    summary_png: str | None = None  # the PNG beside the trace (None without matplotlib)
 
     @property
     def packfn(self) -> Driver:
@@ -217,66 +222,69 @@ class MainJobReport:
         minimum = self.config.length if self.upstream_rows == "budget" else 0
         return [max(minimum, batch.aligned_length(self.config.alignment)) for batch in self.pipelines.upstream]
 
-    def fastest(self) -> str:
-        return max(self.drivers.values(), key=lambda driver: driver.tokens_per_s).name
-
-    def verdict(self) -> str:
-        """Which pipeline trains the most real tokens per second, by how much, and why when it is not packfn's."""
+    def ratios(self) -> str:
+        """packfn compiled's real tokens per second over each other pipeline's."""
         ours = self.packfn.tokens_per_s
         others = [driver for driver in self.drivers.values() if driver.name != PACKFN]
         if not others:
             return "only packfn compiled ran"
-        ratios = ", ".join(f"{ours / driver.tokens_per_s:.2f}x {driver.name}" for driver in others)
-        best = max(driver.tokens_per_s for driver in others)
-        fastest = self.fastest()
-        if fastest == PACKFN:
-            margin = ours / best
-            target = "" if margin >= 1.15 else f"; under the 1.15x target: {self._why(best)}"
-            return f"packfn compiled, in real tokens per second ({ratios}){target}"
-        return f"{fastest} ({ratios} for packfn compiled); packfn compiled is not the fastest here: {self._why(best)}"
+        return "packfn compiled " + ", ".join(
+            f"{ours / driver.tokens_per_s:.2f}x {_TITLES[driver.name]}" for driver in others
+        )
 
-    def _why(self, best: float) -> str:
-        """Where the difference comes from: area per real token, or the noise of the machine."""
+    def area_per_token(self) -> float:
+        """Attended area per real token of packfn's rows over upstream's (``budget**2 / (fill * sequence)``)."""
         upstream = self.upstream_lengths()
         ours = self.config.length**2 / (self.fill(PACKFN) * self.config.sequence)
         theirs = statistics.mean(length * length for length in upstream) / (
             self.fill(UPSTREAM_EAGER) * self.config.sequence
         )
-        if ours > 1.05 * theirs:
-            return (
-                f"packfn's rows cost {ours / theirs:.2f}x the attention area per real token of upstream's "
-                f"(fill {self.fill(PACKFN):.1%} in {self.config.length} aligned columns against "
-                f"{self.fill(UPSTREAM_EAGER):.1%} in {statistics.mean(upstream):.0f}): try suggest_budgets "
-                "for a --budget and --max-documents"
-            )
-        return (
-            f"both pipelines attend over about the same area per real token ({ours / theirs:.2f}x), and on the "
-            f"CPU a step is the model's matmuls and attention: the packing metadata (upstream's eager helpers "
-            f"take {self._helpers_ms()} a step) is a small part of it, within the noise of this machine; "
-            "try more --rounds"
-        )
+        return ours / theirs
 
     def _helpers_ms(self) -> str:
         return "unmeasured" if self.upstream_helpers_s is None else f"{self.upstream_helpers_s * 1e3:.1f} ms"
 
     def lines(self) -> list[str]:
-        """The printed report."""
+        """The printed report: what ran, real tokens per second and fill per pipeline, graphs, where the trace is."""
         config, pipelines = self.config, self.pipelines
         lengths = pipelines.document_tokens
         result = [
             "== packfn main job report ==",
             f"documents:    {pipelines.documents} from {pipelines.source}, {sum(lengths)} tokens (mean "
-            f"{statistics.mean(lengths):.0f}, median {statistics.median(lengths):.0f}, longest {max(lengths)})",
-            f"batches:      {self.steps} of {self.batch} x {config.sequence} tokens, packed by "
+            f"{statistics.mean(lengths):.0f}, median {statistics.median(lengths):.0f}, longest {max(lengths)}); "
+            f"each pipeline packs them and trains the same model (hidden {config.hidden}, {_layers(config.layers)}) "
+            "from the same weights",
+            f"packfn:       {self.steps} batches of {self.batch} x {config.sequence} tokens packed by "
             f"packfn.data.PackedDataset: max_documents={config.max_documents}, budget={config.length} aligned "
             f"columns (without the packer: safe_budget({config.sequence}, {config.max_documents}, "
-            f"{config.alignment}) = {self.worst_case_length}); "
-            f"{pipelines.packfn_s / self.steps * 1e3:.1f} ms a batch",
-            f"real tokens:  {self.budget_fill:.1%} of the budget ({self.real_tokens} of {self.steps} x {self.batch} x "
-            f"{config.length})",
-            f"{'driver':<38}{'median step':>12}{'tokens/s':>11}{'fill':>8}{'graph breaks':>14}{'recompiles':>12}"
-            f"{'compile':>10}",
+            f"{config.alignment}) = {self.worst_case_length}); {pipelines.packfn_s / self.steps * 1e3:.1f} ms a "
+            f"batch; real tokens fill {self.budget_fill:.1%} of the budget ({self.real_tokens} of {self.steps} x "
+            f"{self.batch} x {config.length})",
         ]
+        if UPSTREAM_EAGER not in self.drivers:
+            result.append(f"upstream:     {self.upstream}")
+        else:
+            upstream = self.upstream_lengths()
+            over = sum(1 for length in upstream if length > config.length)
+            rows = (
+                f"packed_layout(minimum_length={config.length}), longer where its aligned documents need more"
+                if self.upstream_rows == "budget"
+                else "packed_layout's data-dependent length"
+            )
+            helpers = "eagerly (a graph break at each call)" if self.upstream_helpers == "eager" else "traced"
+            per_batch = pipelines.upstream_s / max(1, len(pipelines.upstream))
+            result += [
+                f"upstream:     NeMo AutoModel 0.7.0: neat packing (greedy_knapsack, alignment 1, no cap) of the same "
+                f"pieces, {len(pipelines.upstream)} batches, {per_batch * 1e3:.1f} ms a batch; rows aligned "
+                f"afterwards by {rows}: {over} of {len(upstream)} batches need more than "
+                f"{config.length} columns (mean {statistics.mean(upstream):.0f}, longest {max(upstream)})",
+                f"              its helpers (build_packed_sequence_metadata, packed_layout, get_unpad_data) take "
+                f"{self._helpers_ms()} a step eagerly; under torch.compile they run {helpers}",
+            ]
+        result.append(
+            f"{'pipeline':<38}{'median step':>12}{'tokens/s':>11}{'fill':>8}{'graph breaks':>14}{'recompiles':>12}"
+            f"{'compile':>10}"
+        )
         for name in (UPSTREAM_EAGER, UPSTREAM_COMPILED, PACKFN):
             driver = self.drivers.get(name)
             if driver is None:
@@ -288,34 +296,16 @@ class MainJobReport:
                 f"{driver.graph_breaks if compiled else '-':>14}{driver.recompiles if compiled else '-':>12}"
                 f"{f'{driver.compile_s:.1f} s' if compiled else '-':>10}"
             )
-        if UPSTREAM_EAGER not in self.drivers:
-            result.append(f"upstream:     {self.upstream}")
-        else:
-            upstream = self.upstream_lengths()
-            rows = (
-                f"packed_layout(minimum_length={config.length}) (packfn's budget; longer when its aligned "
-                "documents need more)"
-                if self.upstream_rows == "budget"
-                else "packed_layout's data-dependent length (the longest aligned row of each batch)"
-            )
-            helpers = (
-                "run eagerly (torch.compiler.disable: a graph break at each call)"
-                if self.upstream_helpers == "eager"
-                else "are traced by Dynamo"
-            )
-            over = sum(1 for length in upstream if length > config.length)
+        result.append(
+            "              tokens/s: real tokens per second, median over the timed steps; fill: real tokens over "
+            "the pipeline's rows x sequence"
+        )
+        result.append(f"real tokens/s: {self.ratios()}")
+        if UPSTREAM_EAGER in self.drivers:
             result.append(
-                f"upstream:     neat packing (greedy_knapsack, alignment 1, no cap): {len(pipelines.upstream)} "
-                f"batches of the same pieces, {pipelines.upstream_s / max(1, len(pipelines.upstream)) * 1e3:.1f} ms "
-                f"a batch; aligned afterwards, {over} of {len(upstream)} batches need more than {config.length} "
-                f"columns (mean {statistics.mean(upstream):.0f}, longest {max(upstream)})"
+                f"area:         packfn's rows attend over {self.area_per_token():.2f}x the area per real token of "
+                "upstream's"
             )
-            result.append(f"              rows of {rows}; under torch.compile its helpers {helpers}")
-            result.append(
-                f"              the helpers take {self._helpers_ms()} a step eagerly "
-                "(build_packed_sequence_metadata, packed_layout, get_unpad_data; median over the batches)"
-            )
-        result.append(f"fastest:      {self.verdict()}")
         packfn = self.packfn
         result.append(
             f"packfn graph: {packfn.graph_breaks} graph breaks, {packfn.recompiles} recompiles "
@@ -342,7 +332,78 @@ class MainJobReport:
         if self.trace_summary is not None:
             result.append(f"in the trace: {self.trace_summary.line()}")
         result.append(f"view:         tensorboard --logdir {Path(self.run_dir).parent}")
+        result.append(f"summary:      {self.summary_png or f'no PNG (needs matplotlib: {PLOT_INSTALL})'}")
         return result
+
+
+_COLORS = {UPSTREAM_EAGER: "#8c8c8c", UPSTREAM_COMPILED: "#dd8452", PACKFN: "#55a868"}
+_LABELS = {
+    UPSTREAM_EAGER: "upstream\neager",
+    UPSTREAM_COMPILED: "upstream\ntorch.compile",
+    PACKFN: "packfn\ntorch.compile\n(fullgraph)",
+}
+
+
+def plot_summary(report: MainJobReport, path: Path) -> bool:
+    """A PNG beside the trace: step time, real tokens per second and fill per pipeline; False without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    names = [name for name in (UPSTREAM_EAGER, UPSTREAM_COMPILED, PACKFN) if name in report.drivers]
+    labels = [_LABELS[name] for name in names]
+    colors = [_COLORS[name] for name in names]
+    figure, (steps, speed, fills) = plt.subplots(1, 3, figsize=(13, 4.2))
+
+    steps.boxplot([[seconds * 1e3 for seconds in report.drivers[name].steady] for name in names], showfliers=False)
+    for position, name in enumerate(names, 1):
+        values = [seconds * 1e3 for seconds in report.drivers[name].steady]
+        steps.plot([position] * len(values), values, "o", color=_COLORS[name], alpha=0.5, markersize=4)
+    steps.set_xticks(range(1, len(names) + 1), labels, fontsize=8)
+    steps.set(ylabel="ms", title="step time (forward, backward, AdamW)")
+
+    rates = [report.drivers[name].tokens_per_s for name in names]
+    bars = speed.bar(range(len(names)), rates, color=colors)
+    ours = report.packfn.tokens_per_s
+    for bar, rate in zip(bars, rates, strict=True):
+        note = f"{rate:,.0f}" if rate == ours else f"{rate:,.0f}\npackfn: {ours / rate:.2f}x this"
+        speed.annotate(note, (bar.get_x() + bar.get_width() / 2, rate), ha="center", va="bottom", fontsize=8)
+    speed.set_xticks(range(len(names)), labels, fontsize=8)
+    speed.set(ylabel="real tokens per second (median)", title="training throughput", ylim=(0, max(rates) * 1.25))
+
+    pipelines = [("packfn\n(PackedDataset)", report.pipelines.packfn, _COLORS[PACKFN])]
+    if report.pipelines.upstream:
+        pipelines.insert(0, ("upstream\n(neat packing)", report.pipelines.upstream, _COLORS[UPSTREAM_COMPILED]))
+    area = report.batch * report.config.sequence
+    for position, (_, batches, color) in enumerate(pipelines):
+        per_batch = [batch.num_tokens / area for batch in batches]
+        total = sum(batch.num_tokens for batch in batches) / (len(batches) * area)
+        fills.bar(position, total, color=color, alpha=0.8)
+        fills.plot([position] * len(per_batch), per_batch, "o", color="black", alpha=0.4, markersize=3)
+        fills.annotate(f"{total:.1%}", (position, total / 2), ha="center", va="center", fontsize=9, color="white")
+    fills.set_xticks(range(len(pipelines)), [label for label, _, _ in pipelines], fontsize=8)
+    fills.set(
+        ylabel="real tokens / (rows x sequence)",
+        title="fill (dots: each batch)",
+        ylim=(0, 1.1),
+    )
+    config = report.config
+    figure.suptitle(
+        f"main job: batch {report.batch} x {config.sequence}, hidden {config.hidden}, {_layers(config.layers)}, "
+        f"{report.steps} batches; torch {torch.__version__}"
+    )
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return True
+
+
+def _layers(count: int) -> str:
+    return f"{count} layer" if count == 1 else f"{count} layers"
 
 
 def _short_reason(reason: str) -> str:
@@ -682,6 +743,9 @@ def run(arguments: argparse.Namespace) -> MainJobReport:
         report.upstream_helpers_s = time_upstream_helpers(pipelines.upstream, config.alignment, minimum_length)
     if trace_files:
         report.trace_summary = summarize_trace(trace_files[0])
+    summary = run_dir / "main_job.png"
+    if plot_summary(report, summary):
+        report.summary_png = str(summary)
     return report
 
 

@@ -72,8 +72,9 @@ def test_main_job_packs_under_the_packer_budget_not_the_worst_case(profiled):
     report = _report(printed)
     # sequence 64, alignment 16, 16 documents: the packer's budget is 64 columns, the worst case 304.
     assert "max_documents=16, budget=64 aligned columns (without the packer: safe_budget(64, 16, 16) = 304)" in report
-    fill = next(line for line in report.splitlines() if line.startswith("real tokens:"))
-    assert 0 < float(fill.split()[2].rstrip("%")) <= 100
+    packfn = next(line for line in report.splitlines() if line.startswith("packfn:"))
+    fill = packfn.split("real tokens fill ")[1].split()[0]
+    assert 0 < float(fill.rstrip("%")) <= 100
 
 
 def test_main_job_reports_three_drivers_on_equal_losses(profiled):
@@ -88,9 +89,20 @@ def test_main_job_reports_three_drivers_on_equal_losses(profiled):
     graph_breaks, recompiles = (int(value) for value in rows[1].split()[-4:-2])
     assert graph_breaks > 0  # upstream's .item() / .tolist() / nonzero break the graph
     assert recompiles >= 0
-    assert any(line.startswith("fastest:") for line in report)
+    ratios = next(line for line in report if line.startswith("real tokens/s:"))
+    assert "packfn compiled " in ratios and "x upstream eager" in ratios and "x upstream torch.compile" in ratios
     parity = next(line for line in report if line.startswith("loss parity:"))
     assert float(parity.rsplit("|diff| ", 1)[1].rstrip(")")) < 1e-4
+
+
+def test_main_job_speaks_in_measurements_and_draws_a_png_beside_the_trace(profiled):
+    out, printed = profiled
+    report = _report(printed)
+    for internal in ("target", "SHORT", " met", "fastest"):
+        assert internal not in report, internal
+    png = out / "tiny" / "main_job.png"
+    assert f"summary:      {png}" in report
+    assert png.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
 
 
 def test_no_file_in_scripts_shadows_the_standard_library():
@@ -241,6 +253,31 @@ def test_bench_smoke_writes_rows_of_the_documented_shape(tmp_path):
         "pack vs clone": {"clone", "packfn compiled", "clone of the output"},
         "restore vs clone": {"clone", "packfn compiled"},
     }
+
+
+def test_bench_replot_draws_ratios_from_a_saved_json_and_names_a_bad_one(tmp_path, capsys):
+    from scripts import bench
+
+    rows = [
+        {
+            "family": "metadata",
+            "case": "get_unpad_data",
+            "sequence": 64,
+            "mean": 16,
+            "variant": variant,
+            "baseline": "upstream",
+            "speedup": speedup,
+        }
+        for variant, speedup in (("upstream", 1.0), ("packfn static compiled", 4.0), ("packfn drop-in eager", 0.8))
+    ]
+    saved, png = tmp_path / "b.json", tmp_path / "b.png"
+    saved.write_text(json.dumps({"rows": rows}))
+    assert bench.main(["--replot", str(saved), "--plot", str(png)]) == 0
+    assert png.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main(["--replot", str(tmp_path / "missing.json"), "--plot", str(png)])
+    assert exit_info.value.code == 2
+    assert "not a JSON this script wrote" in capsys.readouterr().err
 
 
 class _FakeLibc:
