@@ -269,12 +269,17 @@ def _median_times(jobs: dict, repeats: int) -> dict[str, float]:
     return {label: statistics.median(times) for label, times in samples.items()}
 
 
+def torch_balancer():
+    """torch's ``_PerDocumentHeadTailLoadBalancer`` class, or None on a torch without it."""
+    try:
+        from torch.distributed.tensor.experimental._context_parallel import _load_balancer
+    except ImportError:
+        return None
+    return getattr(_load_balancer, "_PerDocumentHeadTailLoadBalancer", None)
+
+
 def build_jobs(seq_lens, seq_lens_padded, world: int, sequence: int, alignment: int):
     """``{label: callable}``: one rank's shard and varlen inputs, packfn's and torch's per-document balancer."""
-    from torch.distributed.tensor.experimental._context_parallel._load_balancer import (
-        _PerDocumentHeadTailLoadBalancer,
-    )
-
     import packfn
 
     batch = seq_lens.shape[0]
@@ -309,18 +314,16 @@ def build_jobs(seq_lens, seq_lens_padded, world: int, sequence: int, alignment: 
     columns = slice(rank * local, (rank + 1) * local)
 
     def torch_indices():
-        return _PerDocumentHeadTailLoadBalancer(lists, world, "cpu")._generate_indices()
+        return balancer(lists, world, "cpu")._generate_indices()
 
     def torch_shard():
         index = torch_indices()[:, columns]
         return [values.gather(1, index) for values in (row_tokens, row_tokens, row_positions)]
 
-    jobs = {
-        "packfn shard": shard,
-        "packfn shard + varlen": shard_and_varlen,
-        "torch indices": torch_indices,
-        "torch indices + shard": torch_shard,
-    }
+    jobs = {"packfn shard": shard, "packfn shard + varlen": shard_and_varlen}
+    balancer = torch_balancer()
+    if balancer is not None:
+        jobs.update({"torch indices": torch_indices, "torch indices + shard": torch_shard})
     torch._dynamo.reset()  # trace at these shapes, not dynamic ones from the last stream
     reads = {
         "eager": count_data_dependent(shard_and_varlen),
@@ -359,12 +362,10 @@ def balance_family(args) -> list[dict]:
 
 def balance_line(row: dict) -> str:
     cells = " | ".join(f"{name} {row[name]['mean']:.3f} ({row[name]['worst']:.3f})" for name in SHARDINGS)
-    times = row["times"]
+    times = ", ".join(f"{label} {seconds * 1e3:.2f} ms" for label, seconds in row["times"].items())
     return (
         f"{row['stream']}, world {row['world']}, {row['batches']} batches: {cells} | padding {row['padding %']:.2f}% "
-        f"(rows +{row['rows %']:.1f}%) | shard {times['packfn shard'] * 1e3:.2f} ms, + varlen "
-        f"{times['packfn shard + varlen'] * 1e3:.2f} ms, torch indices {times['torch indices'] * 1e3:.2f} ms, "
-        f"+ shard {times['torch indices + shard'] * 1e3:.2f} ms | host reads {row['host reads']}"
+        f"(rows +{row['rows %']:.1f}%) | {times} | host reads {row['host reads']}"
     )
 
 
@@ -400,8 +401,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.family == "balance":
         args.worlds = args.worlds or [2, 4, 8]
+        threads = torch.get_num_threads()
         torch.set_num_threads(1)  # steadier timings on a shared machine
-        rows = balance_family(args)
+        try:
+            rows = balance_family(args)
+        finally:
+            torch.set_num_threads(threads)
         path = args.json or Path("bench_results/bench_cp_balance.json")
         path.parent.mkdir(parents=True, exist_ok=True)
         meta = {"torch": torch.__version__, "repeats": args.repeats, "documents": args.documents}

@@ -529,3 +529,17 @@ def test_bench_cp_smoke_writes_a_row_per_job(tmp_path):
     assert [(row["world"], row["job"]) for row in rows] == [(2, "shard"), (2, "gather")]
     assert set(rows[0]) >= {"upstream", "packfn drop-in", "packfn static eager", "budget"}
     assert rows[0]["budget"] % (2 * bench_cp.ALIGNMENT) == 0
+
+
+def test_bench_cp_balance_family_smoke(tmp_path):
+    from scripts import bench_cp
+
+    path = tmp_path / "bench_cp_balance.json"
+    argv = ["--family", "balance", "--streams", "issue mean 300, S=8192", "--worlds", "2", "--documents", "250"]
+    assert bench_cp.main([*argv, "--repeats", "1", "--json", str(path)]) == 0
+    (row,) = json.loads(path.read_text())["rows"]
+    assert row["batches"] >= 1 and set(row) >= {"padding %", "rows %", "times", *bench_cp.SHARDINGS}
+    assert row["rotated"]["worst"] <= 1.05
+    assert row["host reads"] == {kind: {"host_reads": 0, "data_dependent_ops": 0} for kind in ("eager", "traced")}
+    theirs = {"torch indices", "torch indices + shard"} if bench_cp.torch_balancer() else set()
+    assert set(row["times"]) == {"packfn shard", "packfn shard + varlen", *theirs}
