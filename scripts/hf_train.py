@@ -9,12 +9,15 @@ is built from a ``LlamaConfig`` with random weights (nothing is downloaded)
 and each way trains its own copy of the same initial model with AdamW, one
 step per batch, on the same batches:
 
-1. **packfn**: ``model(**packfn.integrations.hf.hf_model_inputs(document_ids, model.config,
-   input_ids=tokens, labels=tokens))``, the ``hf_model_inputs`` call inside
-   the compiled step: restarting ``position_ids``, labels with -100 at
-   padding and at each document's first token, and the attention input of
-   the model's ``attn_implementation`` (a bool block-causal mask for SDPA, a
-   ``BlockMask`` for FlexAttention);
+1. **packfn**: the model patched in place by
+   ``packfn.integrations.hf.apply_packfn(model)`` (it stays a
+   ``LlamaForCausalLM``: ``save_pretrained`` writes the plain model) and
+   called on the packed batch, ``model(input_ids=tokens,
+   document_ids=document_ids, labels=tokens)``; its forward builds, inside
+   the compiled step (``hf_model_inputs``), restarting ``position_ids``,
+   labels with -100 at padding and at each document's first token, and the
+   attention input of the model's ``attn_implementation`` (a bool
+   block-causal mask for SDPA, a ``BlockMask`` for FlexAttention);
 2. **transformers packed**: transformers' own packed path: restarting
    ``position_ids`` (:func:`packfn.packed_position_ids`, inside the compiled
    step), no ``attention_mask``, ``use_cache=False`` (NOTE [transformers' own
@@ -73,8 +76,8 @@ import transformers
 from torch._dynamo.utils import counters
 
 import packfn
-import packfn.integrations.hf
 from packfn.data import PackedDataset
+from packfn.integrations.hf import apply_packfn
 
 from scripts.batches import pieces
 from scripts.corpus import add_data_argument, documents_source, training_documents
@@ -83,7 +86,7 @@ from scripts.measure import CountingInductor, graph_breaks, graph_breaks_since, 
 __all__ = ["HFTrainReport", "Way", "flex_backward_error", "main", "make_steps", "parse_args", "run"]
 
 IGNORE_INDEX = -100
-PACKFN = "1 packfn hf_model_inputs"
+PACKFN = "1 packfn apply_packfn"
 TRANSFORMERS = "2 transformers packed"
 PADDED = "3 per-document padded"
 WAYS = (PACKFN, TRANSFORMERS, PADDED)
@@ -160,16 +163,9 @@ def make_steps(arguments: argparse.Namespace) -> tuple[list[Step], int, int]:
 # ------------------------------------------------------------ the three step functions (each compiled)
 
 
-def packfn_loss(block_size: int) -> Callable[..., torch.Tensor]:
-    """Way 1: the model's loss on ``hf_model_inputs`` of the packed batch (the call inside the compiled step)."""
-
-    def loss(model, step: Step) -> torch.Tensor:
-        inputs = packfn.integrations.hf.hf_model_inputs(
-            step.document_ids, model.config, input_ids=step.input_ids, labels=step.input_ids, block_size=block_size
-        )
-        return model(**inputs).loss
-
-    return loss
+def packfn_loss(model, step: Step) -> torch.Tensor:
+    """Way 1: the loss of the model patched by ``apply_packfn`` on the packed batch (its inputs built in the step)."""
+    return model(input_ids=step.input_ids, document_ids=step.document_ids, labels=step.input_ids).loss
 
 
 def transformers_packed_loss(model, step: Step) -> torch.Tensor:
@@ -475,7 +471,7 @@ def run(arguments: argparse.Namespace) -> HFTrainReport:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda requested but CUDA is not available")
     forward_only = flex_backward_error(device) if arguments.attn == "flex_attention" else None
-    # Compiled CPU flex attention is wrong for blocks under 16 (packfn.hf_model_inputs' docstring).
+    # Compiled CPU flex attention is wrong for blocks under 16 (hf_model_inputs' docstring).
     block_size = 16 if device.type == "cpu" else 128
     steps, rows, columns = make_steps(arguments)
     model = build_model(arguments)
@@ -493,8 +489,10 @@ def run(arguments: argparse.Namespace) -> HFTrainReport:
     torch.compile(lambda x: (x * x).sum(), fullgraph=True)(warm).backward()
     startup_s = time.perf_counter() - begin
     counters.clear()
-    functions = {PACKFN: packfn_loss(block_size), TRANSFORMERS: transformers_packed_loss, PADDED: padded_loss}
-    ways = {name: Way(name, copy.deepcopy(model), functions[name], device, train=forward_only is None) for name in WAYS}
+    functions = {PACKFN: packfn_loss, TRANSFORMERS: transformers_packed_loss, PADDED: padded_loss}
+    models = {name: copy.deepcopy(model) for name in WAYS}
+    apply_packfn(models[PACKFN], block_size=block_size)  # in place: still a LlamaForCausalLM
+    ways = {name: Way(name, models[name], functions[name], device, train=forward_only is None) for name in WAYS}
     # Each way's step is one frame, compiled once; a recompile would show in the counts (not fall back to
     # eager unseen) up to a limit above the steps of the run.
     with torch._dynamo.config.patch(cache_size_limit=max(8, arguments.steps + 1)):

@@ -13,7 +13,7 @@ import re
 import pytest
 import torch
 
-import hf_train
+from scripts import hf_train
 
 TINY = ["--batch", "2", "--sequence", "64", "--mean", "16", "--hidden", "32", "--heads", "2", "--layers", "1"]
 TINY_RUN = [*TINY, "--vocab", "64", "--steps", "3", "--rounds", "0"]
