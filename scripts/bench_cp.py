@@ -40,9 +40,10 @@ lengths packed best fit by ``pack_documents``, 3,000 documents, batches of
 - the time to build one rank's shard (tokens, labels, positions, ids) and
   its varlen inputs, against torch's ``_PerDocumentHeadTailLoadBalancer``
   on the same rows (its indices from Python lists, and with the gathers of
-  a rank's tokens, labels and positions), eager, medians of interleaved
-  rounds; and the host reads of packfn's build, in eager and in the graph
-  that AOTAutograd traces (the static path).
+  a rank's tokens, labels and positions), eager (and compiled with
+  ``--compiled``, Inductor, ``fullgraph=True``), medians of interleaved
+  rounds, one thread; and the host reads of packfn's build, in eager and in
+  the graph that AOTAutograd traces (the static path).
 
     python scripts/bench_cp.py --family balance                # every stream, worlds 2, 4 and 8
     python scripts/bench_cp.py --family balance --streams "issue mean 300" --worlds 8 --alignment 16
@@ -278,7 +279,7 @@ def torch_balancer():
     return getattr(_load_balancer, "_PerDocumentHeadTailLoadBalancer", None)
 
 
-def build_jobs(seq_lens, seq_lens_padded, world: int, sequence: int, alignment: int):
+def build_jobs(seq_lens, seq_lens_padded, world: int, sequence: int, alignment: int, compiled: bool = False):
     """``{label: callable}``: one rank's shard and varlen inputs, packfn's and torch's per-document balancer."""
     import packfn
 
@@ -321,6 +322,11 @@ def build_jobs(seq_lens, seq_lens_padded, world: int, sequence: int, alignment: 
         return [values.gather(1, index) for values in (row_tokens, row_tokens, row_positions)]
 
     jobs = {"packfn shard": shard, "packfn shard + varlen": shard_and_varlen}
+    if compiled:
+        torch._dynamo.reset()
+        step = torch.compile(shard_and_varlen, fullgraph=True, dynamic=False)
+        step()  # compile outside the timed rounds
+        jobs["packfn shard + varlen compiled"] = step
     balancer = torch_balancer()
     if balancer is not None:
         jobs.update({"torch indices": torch_indices, "torch indices + shard": torch_shard})
@@ -352,7 +358,7 @@ def balance_family(args) -> list[dict]:
             extra = round_up(lengths, multiple).sum() - round_up(lengths, args.alignment).sum()
             row["padding %"] = float(extra / lengths.sum() * 100)
             row["rows %"] = (packed_rows / plain_rows - 1) * 100
-            jobs, reads = build_jobs(*batches[0], world, sequence, args.alignment)
+            jobs, reads = build_jobs(*batches[0], world, sequence, args.alignment, args.compiled)
             row["times"] = _median_times(jobs, args.repeats)
             row["host reads"] = reads
             rows.append(row)
@@ -397,6 +403,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--streams", nargs="+", default=list(STREAMS), choices=list(STREAMS), help="balance family")
     parser.add_argument("--alignment", type=int, default=1, help="balance family: alignment of the documents")
     parser.add_argument("--documents", type=int, default=3000, help="balance family: documents per stream")
+    parser.add_argument("--compiled", action="store_true", help="balance family: also time the build compiled")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     if args.family == "balance":
