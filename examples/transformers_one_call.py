@@ -1,10 +1,13 @@
-"""A transformers model trained on packed rows, its inputs from one packfn call inside the compiled step.
+"""A transformers model trained on packed rows: one packfn call patches it, the compiled step takes the document ids.
 
-``packfn.integrations.hf.hf_model_inputs`` turns the packer's document ids into the
-model's keyword arguments (position ids that restart per document, the
-attention mask of the model's backend, labels that never cross documents),
-with static shapes and no host sync, so the whole training step compiles
-into one graph. The loss equals the mean loss of every document run alone.
+``packfn.integrations.hf.apply_packfn(model)`` patches the model in place (it
+stays a ``LlamaForCausalLM``, so ``save_pretrained`` writes the plain model):
+its forward also takes the packer's ``document_ids`` and turns them into the
+model's inputs with ``hf_model_inputs`` (position ids that restart per
+document, the attention mask of the model's backend, labels that never cross
+documents), with static shapes and no host sync, so the whole training step
+compiles into one graph. The loss equals the mean loss of every document run
+alone (the unpatched forward: without ``document_ids`` the model is unchanged).
 
     python examples/transformers_one_call.py --steps 2
 """
@@ -17,7 +20,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import packfn
-from packfn.integrations.hf import hf_model_inputs
+from packfn.integrations.hf import apply_packfn
 
 
 def per_document_loss(model: LlamaForCausalLM, documents: list[torch.Tensor]) -> torch.Tensor:
@@ -45,12 +48,12 @@ def main(argv: list[str] | None = None) -> int:
         attn_implementation=arguments.attn,
         use_cache=False,
     )
-    model = LlamaForCausalLM(config)
+    model = apply_packfn(LlamaForCausalLM(config))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
 
     @torch.compile(fullgraph=True)
     def loss_of(document_ids: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-        return model(**hf_model_inputs(document_ids, model.config, input_ids=tokens, labels=tokens)).loss
+        return model(input_ids=tokens, document_ids=document_ids, labels=tokens).loss
 
     lengths = torch.randint(2, arguments.sequence // 2, (1_000,)).tolist()
     documents = [torch.randint(1, config.vocab_size, (n,)) for n in lengths]
