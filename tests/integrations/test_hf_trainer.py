@@ -256,3 +256,19 @@ def test_apply_packfn_to_trainer_refuses_a_setup_that_cannot_resume(tmp_path):
         apply_packfn_to_trainer(trainer(ignore_data_skip=True), dataset=other_rank)
     patched = apply_packfn_to_trainer(trainer(ignore_data_skip=True), block_size=16)  # an unpatched model is patched
     assert patched.model.forward.options == {"block_size": 16}
+
+
+def test_trainer_evaluates_a_packed_dataset_one_batch_at_a_time(tmp_path):
+    """Evaluation goes through the Trainer's own loader: per_device_eval_batch_size=1, a collator that unwraps."""
+    model = apply_packfn(tiny_llama())
+    evaluation = PackedDataset(documents(seed=3), batch=2, sequence=SEQUENCE, max_documents=6)
+    arguments = transformers.TrainingArguments(
+        output_dir=str(tmp_path), use_cpu=True, report_to=[], max_steps=1, ignore_data_skip=True,
+        per_device_eval_batch_size=1, disable_tqdm=True,
+    )  # fmt: skip
+    trainer = transformers.Trainer(
+        model=model, args=arguments, eval_dataset=evaluation, data_collator=lambda features: features[0]
+    )
+    metrics = trainer.evaluate()
+    expected = [float(per_document_loss(model, batch)) for batch in evaluation]
+    assert metrics["eval_loss"] == pytest.approx(sum(expected) / len(expected), rel=1e-5)
