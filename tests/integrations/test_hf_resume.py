@@ -204,3 +204,11 @@ def test_packing_logs_average_the_counts_and_combine_the_ratios():
         "packing/documents": 5.0,
     }
     assert stats_dict(one.tensor())["real_tokens"] == 64
+
+
+def test_resuming_from_a_checkpoint_without_the_loader_state_raises(runs, tmp_path):
+    _, _, folder = runs
+    shutil.copytree(folder / "checkpoint-3", tmp_path / "checkpoint-3")
+    (tmp_path / "checkpoint-3" / LOADER_STATE_NAME.format(process=0)).unlink()
+    with pytest.raises(FileNotFoundError, match=r"resumes at step 3, but .*packfn_loader_0\.pt does not exist"):
+        Run(tmp_path, resume=True)
