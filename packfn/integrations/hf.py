@@ -472,7 +472,11 @@ class PackedForward:
 
     def __init__(self, model: torch.nn.Module, inner: Any, options: dict[str, Any]) -> None:
         self.model, self.inner, self.options = model, inner, options
-        self.__signature__ = _packed_signature(inner if inner is not None else model.forward)
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        """The replaced forward's signature, the packed batch's keys added (what ``inspect.signature`` reports)."""
+        return _packed_signature(self.inner if self.inner is not None else type(self.model).forward.__get__(self.model))
 
     def __call__(self, *args: Any, document_ids: torch.Tensor | None = None, **kwargs: Any) -> Any:
         for key in _PACKED_ONLY:
