@@ -93,6 +93,9 @@ class PackedBatch:
         closed_by: Per row, what closed it: one of :data:`CLOSED_BY`
             (``"end"`` for an all-padding row).
         num_tokens: Real tokens in the batch.
+
+    :func:`packfn.data.packing_stats` sums it up: fill, documents per row,
+    split pieces and the rows each reason closed.
     """
 
     document_ids: torch.Tensor

@@ -48,7 +48,7 @@ from packfn.data.batch import token_positions
 from packfn.data.examples import IGNORE_INDEX, Examples, Tokens, concatenate, decode_example
 from packfn.data.fit import Items, checked_budgets
 from packfn.data.packer import Carry, Window, batch_and_items, pack_window
-from packfn.data.stats import batch_stats
+from packfn.data.stats import batch_stats, stats_tensors
 from packfn.formats import shift_labels
 
 __all__ = ["BATCH_KEYS", "IGNORE_INDEX", "PackedDataset"]
@@ -571,14 +571,14 @@ class _PackedIterator:
                 plan.row,
                 plan.length,
                 total,
+                plan.count,
                 plan.closed,
                 packed.batches,
                 batch=self.dataset.batch,
                 sequence=budgets.sequence,
                 budget=budgets.budget,
             )
-            # One tensor for the window, a row of it for each batch (rows do not overlap: no batch sees another's).
-            self.window_stats = packed, torch.tensor(stats, dtype=torch.float64).unbind(0)
+            self.window_stats = packed, stats_tensors(stats)
         return self.window_stats[1][index]
 
 

@@ -18,6 +18,8 @@ recomputed from the sums.
 
 from __future__ import annotations
 
+import array
+import itertools
 from collections import Counter
 from collections.abc import Sequence
 from typing import NamedTuple
@@ -27,7 +29,7 @@ import torch
 from packfn._checks import check_tensor
 from packfn.data.batch import CLOSED_BY, PackedBatch
 
-__all__ = ["STATS_FIELDS", "PackingStats", "batch_stats", "packing_stats", "stats_dict"]
+__all__ = ["STATS_FIELDS", "PackingStats", "batch_stats", "packing_stats", "stats_dict", "stats_tensors"]
 
 _RATIOS = ("fill", "aligned_fill", "documents_mean")
 _CLOSED_FIELDS = tuple(f"closed_{reason}" for reason in CLOSED_BY)
@@ -135,6 +137,7 @@ def batch_stats(
     row: torch.Tensor,
     length: torch.Tensor,
     total: torch.Tensor | None,
+    documents: torch.Tensor,
     closed: torch.Tensor,
     batches: Sequence[torch.Tensor],
     *,
@@ -146,23 +149,25 @@ def batch_stats(
 
     NOTE [Packing stats: one host read a window]
     A loader's window packs the rows of several batches. Their stats take
-    a few ops over the window's pieces (per row: documents, real tokens,
-    split pieces) and one host read; each batch then adds up the entries of
-    its rows, a handful of Python ints. Reducing per batch with tensor ops
-    instead (index_add, bincount, scatter_reduce over the batches) takes
-    some 25 small ops a window, each costing more than the sums it
-    replaces: a third of a millisecond a window on a 2-core machine, 2% of
-    the loader's time for short documents (three batches a window).
+    a few ops over the window's pieces (per row: real tokens, split pieces)
+    and a host read of the per-row columns; each batch then adds up the
+    entries of its rows, a handful of Python ints. Reducing per batch with
+    tensor ops instead (index_add, bincount, scatter_reduce over the
+    batches) takes some 25 small ops a window, each costing more than the
+    sums it replaces: a third of a millisecond a window on a 2-core
+    machine, 2% of the loader's time for short documents (three batches a
+    window).
 
     Args:
         row: int64 ``[pieces]``: each piece's row, in ``[0, rows)``.
         length: int64 ``[pieces]``: each piece's real tokens.
         total: int64 ``[pieces]``: the full length of each piece's
             document; None when every piece is a whole document.
+        documents: int64 ``[rows]``: the pieces in each row.
         closed: int64 ``[rows]``: what closed each row, an index into
-            :data:`~packfn.data.CLOSED_BY` (not counted for a row with no piece).
-        batches: int64 ``[n]`` each: the rows of each batch, ``n <= batch``
-            (a batch with fewer rows is padded with all-padding rows).
+            :data:`~packfn.data.CLOSED_BY`.
+        batches: int64 ``[n]`` each: the rows of each batch that hold a
+            piece, ``n <= batch`` (the batch's other rows are all padding).
         batch: Rows per batch.
         sequence: Input row length.
         budget: Aligned row length.
@@ -171,28 +176,31 @@ def batch_stats(
         One :class:`PackingStats` per entry of ``batches``.
     """
     rows = closed.shape[0]
-    per_row = [torch.bincount(row, minlength=rows), torch.zeros(rows, dtype=torch.int64).index_add_(0, row, length)]
+    per_row = [documents, torch.zeros(rows, dtype=torch.int64).index_add_(0, row, length)]
     if total is not None:
         per_row.append(torch.zeros(rows, dtype=torch.int64).index_add_(0, row, (length < total).long()))
-    columns = torch.stack([*per_row, closed]).tolist()
+    columns = [values.tolist() for values in (*per_row, closed)]
     return [_batch(columns, selected.tolist(), batch, sequence, budget) for selected in batches]
 
 
+def stats_tensors(stats: Sequence[PackingStats]) -> tuple[torch.Tensor, ...]:
+    """:meth:`PackingStats.tensor` of each, from one buffer: float64 ``[len(STATS_FIELDS)]`` each, none overlapping."""
+    flat = torch.frombuffer(array.array("d", itertools.chain.from_iterable(stats)), dtype=torch.float64)
+    return flat.view(len(stats), len(STATS_FIELDS)).unbind(0)
+
+
 def _batch(columns: list[list[int]], selected: list[int], batch: int, sequence: int, budget: int) -> PackingStats:
-    """The stats of the ``selected`` rows: ``columns`` are per row documents, real tokens, [split pieces,] closed."""
-    documents = [columns[0][index] for index in selected]
-    real = sum(columns[1][index] for index in selected)
-    split = sum(columns[2][index] for index in selected) if len(columns) == 4 else 0
-    reasons = Counter(columns[-1][index] for index, count in zip(selected, documents, strict=True) if count)
-    closed = [reasons[code] for code in range(len(CLOSED_BY))]
-    count = sum(documents)
+    """The stats of the ``selected`` rows: ``columns`` hold per row its documents, real tokens, [split pieces,] code."""
+    documents, real_tokens, *rest = ([column[index] for index in selected] for column in columns)
+    codes = rest[-1]
+    real, count = sum(real_tokens), sum(documents)
     return PackingStats(
         _ratio(real, batch * sequence),
         _ratio(real, batch * budget),
-        _ratio(count, sum(closed)),
+        _ratio(count, len(selected)),
         max(documents, default=0),
-        split,
-        *closed,
+        sum(rest[0]) if len(rest) == 2 else 0,
+        *(codes.count(code) for code in range(len(CLOSED_BY))),
         real,
         count,
         batch,
@@ -226,8 +234,9 @@ def packing_stats(packed: PackedBatch) -> PackingStats:
         pieces.row,
         pieces.length,
         pieces.total,
+        torch.bincount(pieces.row, minlength=packed.batch),
         closed,
-        [torch.arange(packed.batch)],
+        [torch.unique(pieces.row)],  # the rows that hold a piece
         batch=packed.batch,
         sequence=packed.sequence,
         budget=packed.budget,

@@ -25,9 +25,11 @@ def test_bench_packer_times_the_loader_with_statistics_on_and_off(tmp_path, caps
     argv = ["--quick", "--parts", "loader", "--documents", "300", "--rounds", "1", "--json", str(out)]
     assert bench_packer.main(argv) == 0
     printed = capsys.readouterr().out
-    assert "loader: packing statistics within 1.02x of the loader's time without them on 2 streams" in printed
+    assert "loader: packing statistics within 1.02x of the loader's CPU time without them on 2 streams" in printed
     result = json.loads(out.read_text())
     assert result["fills"] == [] and result["times"] == [] and len(result["loader"]) == 2
     for entry in result["loader"]:
-        assert entry["stats_on_s"] > 0 and entry["stats_off_s"] > 0 and entry["batches"] > 0
+        for clock in ("cpu", "wall"):
+            assert entry[clock]["stats_on_s"] > 0 and entry[clock]["stats_off_s"] > 0
+        assert entry["batches"] > 0 and entry["on_over_off"] == entry["cpu"]["on_over_off"]
         assert entry["packing_stats"]["real_tokens"] == sum(bench_packer.stream_lengths(entry["stream"], 4096, 300))
