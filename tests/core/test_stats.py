@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader
 
 from packfn import pack_documents, pack_stream
 from packfn.data import BATCH_KEYS, CLOSED_BY, PackedDataset
-from packfn.data.stats import STATS_FIELDS, PackingStats, packing_stats, stats_dict
+from packfn.data.stats import STATS_FIELDS, PackingStats, packing_stats, stats_dict, stats_tensors
 
 from tests.strategies_packer import packing_inputs
 
@@ -240,3 +240,14 @@ def test_stats_travel_through_a_dataloader_and_stack():
     combined = stats_dict(torch.stack(loaded))
     assert combined["real_tokens"] == sum(len(document) for document in documents)
     assert combined["documents"] == len(documents)  # no document is split here
+
+
+def test_stats_tensors_give_each_batch_its_own_entries():
+    stats = [
+        packing_stats(pack_documents(lengths, sequence=8, alignment=1, max_documents=3))
+        for lengths in ([3, 4, 5], [8, 1, 1, 1])
+    ]
+    first, second = stats_tensors(stats)
+    assert torch.equal(first, stats[0].tensor()) and torch.equal(second, stats[1].tensor())
+    first.zero_()  # no batch sees another's entries
+    assert torch.equal(second, stats[1].tensor())
