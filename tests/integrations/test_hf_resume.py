@@ -173,14 +173,16 @@ def test_a_state_at_an_epoch_end_resumes_with_the_next_epoch(saw_the_end):
     assert keys(restored) == keys(reference)
 
 
-def test_a_state_mid_epoch_resumes_in_two_workers():
-    everything = keys(PackedLoader(dataset(), num_workers=2))
-    loader = PackedLoader(dataset(), num_workers=2)
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_state_mid_epoch_resumes_where_it_was_taken(workers):
+    """The state after 5 batches, while the workers have prefetched more, resumes at the sixth."""
+    everything = keys(PackedLoader(dataset(), num_workers=workers))
+    loader = PackedLoader(dataset(), num_workers=workers)
     iterator = iter(loader)
     head = keys(next(iterator) for _ in range(5))
     state = loader.state_dict()
     del iterator
-    restored = PackedLoader(dataset(), num_workers=2)
+    restored = PackedLoader(dataset(), num_workers=workers)
     restored.load_state_dict(state)
     assert head + keys(restored) == everything
 
