@@ -120,19 +120,24 @@ def batches(args, dp_rank: int) -> list[dict[str, torch.Tensor]]:
     raise SystemExit(f"data-parallel rank {dp_rank} has {len(taken)} batches, fewer than --steps {args.steps}")
 
 
-def sharded_loss(model, batch, *, cp_rank, cp, group, args):
-    """This rank's part of its data-parallel batch's mean loss, and its attention work."""
-    shard = packfn.shard_packed_batch(
+def shard_of(batch, cp_rank: int, args, balance: str) -> packfn.CPShard:
+    """This rank's shard of a data-parallel batch, at ``budget=sequence``."""
+    return packfn.shard_packed_batch(
         batch["seq_lens"],
         batch["seq_lens_padded"],
         input_ids=batch["input_ids"],
         labels=batch["shift_labels"],
         rank=cp_rank,
-        world=cp,
+        world=args.cp,
         budget=args.sequence,
         alignment=args.alignment,
-        balance=args.balance,
+        balance=balance,
     )
+
+
+def sharded_loss(model, batch, *, cp_rank, group, args):
+    """This rank's part of its data-parallel batch's mean loss, and its attention work."""
+    shard = shard_of(batch, cp_rank, args, args.balance)
     # Padding queries attend their own key (gathered column start + i), so that no mask row is empty.
     columns = torch.arange(args.sequence)
     own = columns == torch.arange(shard.start, shard.start + shard.local).unsqueeze(1)
@@ -163,18 +168,7 @@ def whole_row_loss(model, batch, args):
 
 def contiguous_work(batch, cp_rank: int, args) -> int:
     """This rank's attention work had its shard been contiguous (metadata only)."""
-    shard = packfn.shard_packed_batch(
-        batch["seq_lens"],
-        batch["seq_lens_padded"],
-        input_ids=batch["input_ids"],
-        labels=batch["shift_labels"],
-        rank=cp_rank,
-        world=args.cp,
-        budget=args.sequence,
-        alignment=args.alignment,
-        balance="contiguous",
-    )
-    return int(packfn.cp_attention_work(shard).sum())
+    return int(packfn.cp_attention_work(shard_of(batch, cp_rank, args, "contiguous")).sum())
 
 
 def new_model(args) -> TinyDecoder:
@@ -225,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     losses, times, work, contiguous = [], [], 0, 0
     for index, batch in enumerate(mine):
         begin = time.perf_counter()
-        loss, attended = step(model, batch, cp_rank=cp_rank, cp=args.cp, group=group, args=args)
+        loss, attended = step(model, batch, cp_rank=cp_rank, group=group, args=args)
         loss.backward()
         for param in model.parameters():  # the sum over the world, averaged over data-parallel ranks
             dist.all_reduce(param.grad)
