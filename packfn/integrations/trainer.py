@@ -55,6 +55,7 @@ __all__ = [
     "PackingStatsCallback",
     "apply_packfn_to_trainer",
     "loss_mask_from_trl",
+    "packing_logs",
 ]
 
 LOADER_STATE_NAME = "packfn_loader_{process}.pt"
