@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch._dynamo.testing
 from hypothesis import HealthCheck, example, given, settings
 from torch.nn.attention.flex_attention import BlockMask
 from transformers import (
@@ -230,19 +231,15 @@ def test_sliding_window_override_for_a_config_the_architecture_ignores():
 def test_compiled_training_step_has_no_graph_break_and_no_recompile():
     """10 batches of one shape, different contents: one compile, fullgraph, losses equal eager."""
     net = build("qwen2", "sdpa").train()
-    compiled_frames = 0
-
-    def counting_backend(gm, example_inputs):
-        nonlocal compiled_frames
-        compiled_frames += 1
-        return gm.forward
+    # Through AOTAutograd (its guards recompile too), not the eager backend.
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
 
     def step(mask, tokens):
         return net(**hf_model_inputs(mask, net.config, input_ids=tokens, labels=tokens)).loss
 
     generator = torch.Generator().manual_seed(0)
     with torch._dynamo.config.patch(error_on_recompile=True):
-        compiled = torch.compile(step, backend=counting_backend, fullgraph=True)
+        compiled = torch.compile(step, backend=counter, fullgraph=True)
         for index in range(10):
             lengths = torch.randint(1, 9, (5,), generator=generator).tolist()  # 5 to 40 tokens: 2 rows of 24 hold them
             mask = packfn.pack_documents(lengths, sequence=24, alignment=1, max_documents=8, batch=2).document_ids
@@ -250,7 +247,7 @@ def test_compiled_training_step_has_no_graph_break_and_no_recompile():
             loss = compiled(mask, tokens)
             loss.backward()
             torch.testing.assert_close(loss, step(mask, tokens), atol=1e-6, rtol=1e-6)
-    assert compiled_frames == 1
+    assert counter.frame_count == 1
     torch._dynamo.reset()
 
 
