@@ -154,9 +154,8 @@ def batch_stats(
     entries of its rows, a handful of Python ints. Reducing per batch with
     tensor ops instead (index_add, bincount, scatter_reduce over the
     batches) takes some 25 small ops a window, each costing more than the
-    sums it replaces: a third of a millisecond a window on a 2-core
-    machine, 2% of the loader's time for short documents (three batches a
-    window).
+    sums it replaces: for short documents (a few batches a window) that is
+    2% of the loader's time (docs/benchmarks.md has the figures).
 
     Args:
         row: int64 ``[pieces]``: each piece's row, in ``[0, rows)``.
