@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 
 import packfn
 from packfn import pack_documents, pack_stream, safe_budget
-from packfn.data import packer as packer_module
 from packfn.data import PackedBatch, Piece
+from packfn.data import packer as packer_module
 
 from tests.assertions_packer import assert_fits_the_static_ops, assert_rows_within_budgets
 from tests.references_packer import next_fit
