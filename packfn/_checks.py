@@ -7,6 +7,9 @@ ops' rule flags instead (NOTE [One way to report a broken rule] in
 
 from __future__ import annotations
 
+import math
+import numbers
+
 import torch
 
 __all__ = [
@@ -18,14 +21,17 @@ __all__ = [
     "check_mask",
     "check_padding_mask",
     "check_positive_int",
+    "check_scalar_fits",
     "check_table",
     "check_tensor",
     "check_token_ids",
+    "integer_range",
     "is_int",
 ]
 
 MASK_DTYPES = frozenset({torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64})
 """The dtypes a document-id mask may have."""
+_MASK_DTYPE_NAMES = "bool, uint8, int8, int16, int32 or int64"
 
 
 def is_int(value: object) -> bool:
@@ -72,7 +78,7 @@ def check_mask(document_ids: object, *, name: str = "document_ids") -> torch.Ten
     if document_ids.ndim != 2:
         raise ValueError(f"{name} must have shape [batch, sequence], got {tuple(document_ids.shape)}")
     if document_ids.dtype not in MASK_DTYPES:
-        raise ValueError(f"{name} must hold integer or bool document ids, got dtype {document_ids.dtype}")
+        raise ValueError(f"{name} must hold document ids of dtype {_MASK_DTYPE_NAMES}, got {document_ids.dtype}")
     if document_ids.numel() == 0:
         raise ValueError(f"{name} must not be empty, got shape {tuple(document_ids.shape)}")
     return document_ids
@@ -110,9 +116,7 @@ def check_padding_mask(attention_mask: object, shape, name: str = "attention_mas
         return None
     check_tensor(attention_mask, name)
     if attention_mask.dtype not in MASK_DTYPES:
-        raise ValueError(
-            f"{name} must hold integers or bools (nonzero: a real token), got dtype {attention_mask.dtype}"
-        )
+        raise ValueError(f"{name} must be {_MASK_DTYPE_NAMES} (nonzero: a real token), got {attention_mask.dtype}")
     if attention_mask.ndim != 2 or (shape is not None and tuple(attention_mask.shape) != tuple(shape)):
         expected = "[batch, sequence]" if shape is None else str(tuple(shape))
         raise ValueError(f"{name} must have shape {expected}, got {tuple(attention_mask.shape)}")
@@ -129,3 +133,45 @@ def check_token_ids(token_ids: object, name: str, *, vocab_size: int | None = No
             where = "must not be negative" if vocab_size is None else f"is outside the vocabulary [0, {vocab_size})"
             raise ValueError(f"{name} {token} {where}")
     return list(ids)
+
+
+def integer_range(dtype: torch.dtype) -> tuple[int, int]:
+    """The smallest and largest value an integral (or bool) ``dtype`` holds."""
+    if dtype == torch.bool:
+        return 0, 1
+    info = torch.iinfo(dtype)
+    return info.min, info.max
+
+
+def check_scalar_fits(value: object, dtype: torch.dtype, name: str) -> int | float:
+    """``value`` as ``dtype`` holds it (an int, or a float for a floating ``dtype``); else raise.
+
+    ``TypeError`` for a non-number; ``ValueError`` where writing it into
+    ``dtype`` would wrap, truncate or overflow: a fraction, infinity or NaN for
+    an integral ``dtype``, an integer outside its range, a finite value past a
+    floating ``dtype``'s largest finite value, an integer a floating ``dtype``
+    would round (a float may round: infinity and NaN pass as they are).
+    """
+    if isinstance(value, torch.Tensor) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be an int or a float, got {type(value).__name__}")
+    if dtype.is_complex:
+        dtype = dtype.to_real()  # a real scalar fills the real part
+    if dtype.is_floating_point:
+        limit = torch.finfo(dtype).max
+        if isinstance(value, numbers.Integral):
+            if abs(value) > limit:
+                raise ValueError(f"{name}={value!r} is outside [{-limit}, {limit}], the finite values of {dtype}")
+            held = float(torch.tensor(float(value), dtype=torch.float64).to(dtype))
+            if held != value:  # an exact comparison of an int and a float
+                raise ValueError(f"{name}={value!r} is not exactly a value of {dtype}, which would round it to {held}")
+            return held
+        number = float(value)
+        if math.isfinite(number) and abs(number) > limit:
+            raise ValueError(f"{name}={value!r} is outside [{-limit}, {limit}], the finite values of {dtype}")
+        return number
+    if not isinstance(value, numbers.Integral) and not (math.isfinite(value) and float(value).is_integer()):
+        raise ValueError(f"{name}={value!r} is not an integer, which {dtype} would truncate")
+    low, high = integer_range(dtype)
+    if not low <= int(value) <= high:
+        raise ValueError(f"{name}={value!r} is outside [{low}, {high}], which {dtype} cannot hold")
+    return int(value)

@@ -415,6 +415,8 @@ def seq_lens_from_document_ids(document_ids: torch.Tensor, *, max_documents: int
     Returns:
         int64 ``[batch, D]``: each row's documents' valid-token counts in
         order, then zeros. For the example mask with ``D=2``: ``[[2, 3], [4, 0]]``.
+        Ids with gaps are counted in order: ``[[1, 1, 3, 0]]`` gives
+        ``[[2, 1, 0, 0]]``.
 
     Raises:
         ValueError: as :func:`packfn.batch_metadata`.

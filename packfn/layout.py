@@ -41,7 +41,7 @@ from dataclasses import dataclass
 
 import torch
 
-from packfn._checks import check_int, check_positive_int, check_tensor
+from packfn._checks import check_int, check_positive_int, check_scalar_fits, check_tensor
 from packfn._compat import sym_max, sym_min
 from packfn._ops import layout as _ops
 from packfn._ops._registry import assert_rules
@@ -51,6 +51,13 @@ __all__ = ["LENGTH_DTYPES", "PackedSequenceLayout", "aligned_layout", "as_rows",
 
 LENGTH_DTYPES = (torch.int32, torch.int64)
 """The dtypes of ``seq_lens`` / ``seq_lens_padded`` tables."""
+
+
+def _movable(dtype: torch.dtype) -> bool:
+    """Whether torch's gather and scatter kernels take ``dtype`` (no uint16 / 32 / 64, no 8-bit floats)."""
+    if dtype.is_floating_point:
+        return dtype.itemsize >= 2
+    return dtype.is_complex or dtype in (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
 
 
 @dataclass(frozen=True)
@@ -76,6 +83,11 @@ class PackedSequenceLayout:
 
     def _check_values(self, values: torch.Tensor, width: int, axis: str) -> None:
         check_tensor(values, "values")
+        if not _movable(values.dtype):
+            raise ValueError(
+                f"values must be bool, an integer dtype up to int64 (not uint16, uint32 or uint64) or a floating "
+                f"dtype of at least 16 bits, which torch's gathers support; got {values.dtype}"
+            )
         batch = self.source_indices.shape[0]
         if values.ndim < 2 or values.shape[0] != batch or values.shape[1] != width:
             raise ValueError(f"values must have shape [batch={batch}, {axis}={width}, ...], got {tuple(values.shape)}")
@@ -95,29 +107,19 @@ class PackedSequenceLayout:
 
         Raises:
             TypeError: ``values`` is not a tensor or ``fill`` not a number.
-            ValueError: ``values`` does not start with ``[batch, sequence]``,
-                or ``fill`` is a value their dtype cannot hold (a fraction,
-                infinity or NaN for an integral dtype, a value outside its
-                range, an int past ``2**53`` that the op's float64 scalar
-                would round; a finite value outside a floating dtype's range).
+            ValueError: ``values`` does not start with ``[batch, sequence]``
+                or has a dtype torch's gathers lack (uint16, uint32, uint64,
+                the float8 types), or ``fill`` is a value their dtype cannot
+                hold (a fraction, infinity or NaN for an integral dtype, a
+                value outside its range, an int past ``2**53`` that the op's
+                float64 scalar would round; a finite value outside a floating
+                dtype's range, an int a floating dtype would round).
         """
         self._check_values(values, self.input_positions.shape[1], "sequence")
-        if not isinstance(fill, (int, float)):
-            raise TypeError(f"fill must be an int or float, got {type(fill).__name__}")
         # The op takes fill as a float64 and casts it to the values' dtype, which would truncate a fraction and
         # wrap a value outside the dtype: checked here, on the Python scalar, with no read of the data.
-        dtype = values.dtype
-        if dtype.is_floating_point or dtype.is_complex:
-            limit = torch.finfo(dtype).max
-            if -limit <= fill <= limit or fill != fill or abs(fill) == float("inf"):
-                return _ops.pack_op(values, self.source_indices, self.input_positions, float(fill))
-            raise ValueError(f"fill={fill!r} is outside [{-limit}, {limit}], the finite values of {dtype}")
-        if isinstance(fill, float) and not fill.is_integer():
-            raise ValueError(f"fill={fill!r} is not an integer, which values of {dtype} cannot hold")
-        low, high = (0, 1) if dtype == torch.bool else (torch.iinfo(dtype).min, torch.iinfo(dtype).max)
-        if not low <= fill <= high:
-            raise ValueError(f"fill={fill!r} is outside [{low}, {high}], which values of {dtype} cannot hold")
-        if float(fill) != fill:
+        fill = check_scalar_fits(fill, values.dtype, "fill")
+        if isinstance(fill, int) and float(fill) != fill:
             raise ValueError(f"fill={fill!r} does not pass exactly as the op's float64 scalar: use one within 2**53")
         return _ops.pack_op(values, self.source_indices, self.input_positions, float(fill))
 
@@ -134,7 +136,8 @@ class PackedSequenceLayout:
 
         Raises:
             TypeError: ``values`` is not a tensor.
-            ValueError: ``values`` does not start with ``[batch, length]``.
+            ValueError: ``values`` does not start with ``[batch, length]`` or
+                has a dtype torch's gathers lack (as :meth:`pack`).
         """
         self._check_values(values, self.source_indices.shape[1], "length")
         return _ops.restore_op(values, self.input_positions, self.source_indices)

@@ -641,7 +641,10 @@ CU_SEQLENS_RULES = (
     Rule("cu_seqlens must start at 0"),
     Rule("cu_seqlens must not decrease"),
     Rule("cu_seqlens must hold no negative entry but trailing -1 padding (a boundary after a -1)"),
-    Rule("cu_seqlens must not run past the tokens it describes (a boundary beyond the row, or the stream)"),
+    Rule(
+        "cu_seqlens must not run past the tokens it describes (a boundary beyond the row; for a flat table, beyond "
+        "batch * sequence: pass batch= when it covers several rows)"
+    ),
     Rule("a segment of flat cu_seqlens must not cross a row boundary (document ids are local to a row)"),
 )
 """Data rules of a ``cu_seqlens`` table, in the order of its op's flags."""

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import itertools
-import math
-import numbers
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -12,6 +10,8 @@ from functools import cached_property, reduce
 from typing import NamedTuple
 
 import torch
+
+from packfn._checks import check_scalar_fits, integer_range
 
 __all__ = ["CLOSED_BY", "PackedBatch", "Piece", "Pieces", "document_ids", "token_positions"]
 
@@ -192,9 +192,20 @@ class PackedBatch:
             pieces.document.tolist(), pieces.offset.tolist(), pieces.length.tolist(), pieces.total.tolist(), strict=True
         ):
             try:
-                values = torch.as_tensor(documents[document])
+                entry = documents[document]
             except (KeyError, IndexError):
                 raise ValueError(f"documents has no entry for document {document}, which this batch packs") from None
+            try:
+                values = torch.as_tensor(entry)
+            except (
+                OverflowError,
+                RuntimeError,
+                TypeError,
+                ValueError,
+            ) as error:  # ints past int64, strings, ragged lists
+                raise ValueError(
+                    f"document {document}'s tokens are not a tensor of numbers torch holds: {error}"
+                ) from None
             if values.ndim != 1 or values.shape[0] != total:
                 raise ValueError(
                     f"document {document} was packed with {total} tokens, got tokens of shape {tuple(values.shape)}"
@@ -202,7 +213,7 @@ class PackedBatch:
             slices.append((document, values[offset : offset + length]))
         if dtype is None:
             dtype = reduce(torch.promote_types, [values.dtype for _, values in slices]) if slices else torch.int64
-        padding = _checked_padding(padding, dtype)
+        padding = check_scalar_fits(padding, dtype, "padding")
         for document, values in slices:
             _check_holds(values, dtype, document)
         out = torch.full((self.batch * self.sequence,), padding, dtype=dtype)
@@ -239,45 +250,23 @@ def document_ids(
     return flat[:-1].view(batch, sequence)
 
 
-def _integer_range(dtype: torch.dtype) -> tuple[int, int]:
-    """The smallest and largest value an integral (or bool) ``dtype`` holds."""
-    if dtype == torch.bool:
-        return 0, 1
-    info = torch.iinfo(dtype)
-    return info.min, info.max
-
-
 def _check_holds(values: torch.Tensor, dtype: torch.dtype, document: int) -> None:
-    """Raise ``ValueError`` where ``values`` would not survive a cast to ``dtype`` (truncated, or wrapped)."""
-    if dtype.is_floating_point or dtype.is_complex:
+    """Raise ``ValueError`` where ``values`` would not survive a cast to ``dtype`` (truncated, wrapped, rounded)."""
+    if not values.numel() or values.dtype == dtype:
         return
+    if dtype.is_floating_point or dtype.is_complex:
+        cast = values.to(dtype)
+        if bool((torch.isinf(cast) & ~torch.isinf(values)).any()):
+            limit = torch.finfo(dtype).max
+            raise ValueError(f"document {document} holds values outside [{-limit}, {limit}], which {dtype} cannot hold")
+        if not (values.is_floating_point() or values.is_complex()) and not torch.equal(cast.to(values.dtype), values):
+            raise ValueError(f"document {document} holds integers {dtype} cannot hold exactly (it would round them)")
+        return  # a float may round
     if values.is_floating_point() or values.is_complex():
         raise ValueError(
             f"document {document} holds {values.dtype} values, which gather(dtype={dtype}) would truncate; "
             "pass a floating dtype"
         )
-    if values.numel() and values.dtype != dtype:
-        low, high = _integer_range(dtype)
-        if int(values.min()) < low or int(values.max()) > high:
-            raise ValueError(f"document {document} holds values outside [{low}, {high}], which {dtype} cannot hold")
-
-
-def _checked_padding(padding: object, dtype: torch.dtype) -> int | float:
-    """``padding`` as ``dtype`` holds it; raise where ``torch.full`` would wrap, truncate or overflow it."""
-    if isinstance(padding, torch.Tensor) or not isinstance(padding, numbers.Real):
-        raise TypeError(f"padding must be an int or a float, got {type(padding).__name__}")
-    if dtype.is_floating_point or dtype.is_complex:
-        try:
-            value = float(padding)
-        except OverflowError:
-            value = None  # an int past float64's range
-        if value is None or (math.isfinite(value) and abs(value) > torch.finfo(dtype).max):
-            limit = torch.finfo(dtype).max
-            raise ValueError(f"padding={padding!r} is outside [{-limit}, {limit}], the finite values of {dtype}")
-        return value
-    if not isinstance(padding, numbers.Integral) and not (math.isfinite(padding) and float(padding).is_integer()):
-        raise ValueError(f"padding={padding!r} is not an integer, which {dtype} would truncate: pass a floating dtype")
-    low, high = _integer_range(dtype)
-    if not low <= int(padding) <= high:
-        raise ValueError(f"padding={padding!r} is outside [{low}, {high}], which {dtype} cannot hold")
-    return int(padding)
+    low, high = integer_range(dtype)
+    if int(values.min()) < low or int(values.max()) > high:
+        raise ValueError(f"document {document} holds values outside [{low}, {high}], which {dtype} cannot hold")

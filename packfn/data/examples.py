@@ -76,8 +76,10 @@ def decode_example(example: object, index: int) -> tuple[torch.Tensor, torch.Ten
     """``(input_ids, labels or None)`` of one example: a mapping with ``input_ids`` or the token ids themselves."""
     labels = loss_mask = None
     if isinstance(example, Mapping):
-        if example.get("input_ids") is None:
+        if "input_ids" not in example:
             raise ValueError(f"example {index} has no 'input_ids' (keys: {sorted(map(str, example))})")
+        if example["input_ids"] is None:
+            raise ValueError(f"example {index} has no 'input_ids' (null)")
         tokens = token_tensor(example["input_ids"], index, "input_ids")
         if example.get("labels") is not None:
             labels = token_tensor(example["labels"], index, "labels")

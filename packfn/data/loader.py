@@ -42,7 +42,7 @@ from typing import Any, NamedTuple
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from packfn._checks import check_int, check_positive_int
+from packfn._checks import check_int, check_positive_int, check_scalar_fits
 from packfn._ops import formats as _format_ops
 from packfn.data.batch import token_positions
 from packfn.data.examples import IGNORE_INDEX, Examples, Tokens, concatenate, decode_example
@@ -203,9 +203,9 @@ class PackedDataset(IterableDataset):
             if not isinstance(value, bool):
                 raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
         self.seed = check_int(seed, "seed")
-        self.padding_token_id = check_int(padding_token_id, "padding_token_id")
-        if not -(2**63) <= padding_token_id < 2**63:
-            raise ValueError(f"padding_token_id must fit in int64 (input_ids' dtype), got {padding_token_id}")
+        self.padding_token_id = check_scalar_fits(
+            check_int(padding_token_id, "padding_token_id"), torch.int64, "padding_token_id"
+        )
         self.shuffle, self.drop_last, self.packing_stats = shuffle, drop_last, packing_stats
         self._examples = Examples(examples)
         if shuffle and self._examples.count is None:

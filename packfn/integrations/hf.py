@@ -38,7 +38,7 @@ from typing import Any
 import torch
 from torch.nn.attention.flex_attention import BlockMask
 
-from packfn._checks import check_int, check_mask, check_positive_int
+from packfn._checks import check_int, check_mask, check_positive_int, check_scalar_fits
 from packfn._ops import formats as _format_ops
 from packfn._ops import masks as _mask_ops
 from packfn._ops._registry import assert_rules
@@ -390,7 +390,7 @@ class PackedCollator:
 
     def __init__(self, sequence: int, *, pad_token_id: int = 0) -> None:
         self.sequence = check_positive_int(sequence, "sequence")
-        self.pad_token_id = check_int(pad_token_id, "pad_token_id")
+        self.pad_token_id = check_scalar_fits(check_int(pad_token_id, "pad_token_id"), torch.int64, "pad_token_id")
 
     def __call__(self, features: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
         rows = len(features)

@@ -82,6 +82,14 @@ def test_seq_lens_without_max_documents_hold_a_row_of_one_token_documents():
     assert_same(seq_lens, packfn.seq_lens_from_document_ids(ids, max_documents=5))
 
 
+def test_seq_lens_count_ids_with_gaps_in_order():
+    """A row's documents take the slots 1, 2, ... in order, whatever their ids (the glossary's slot)."""
+    assert packfn.seq_lens_from_document_ids(torch.tensor([[1, 1, 3, 0], [2, 5, 5, 5]])).tolist() == [
+        [2, 1, 0, 0],
+        [1, 3, 0, 0],
+    ]
+
+
 # ------------------------------------------------------------------ Llama 4's attention temperature tuning
 
 FLOOR_SCALE = 8

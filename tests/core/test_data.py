@@ -260,6 +260,8 @@ def test_an_example_without_input_ids_raises():
         PackedDataset(datasets.Dataset.from_dict({"text": ["a"]}), batch=1, sequence=8, max_documents=4)
     with pytest.raises(ValueError, match=r"example 1 has no 'input_ids' \(null\)"):
         _first(datasets.Dataset.from_dict({"input_ids": [[1], None]}))
+    with pytest.raises(ValueError, match=r"example 1 has no 'input_ids' \(null\)"):  # the same row as a dict
+        _first([{"input_ids": [1]}, {"input_ids": None}])
 
 
 def test_non_integer_tokens_raise():

@@ -46,6 +46,15 @@ def test_a_null_inside_an_hf_dataset_list_raises_naming_the_example_and_column(c
         _first(rows)
 
 
+def test_a_null_at_the_first_token_of_a_later_example_names_that_example():
+    """The null is the first value of example 1, right where example 0's tokens end in the flattened column."""
+    datasets = pytest.importorskip("datasets")
+    rows = [{"input_ids": [4, 5]}, {"input_ids": [None, 2]}]
+    for examples in (datasets.Dataset.from_list(rows), rows):
+        with pytest.raises(TypeError, match=r"example 1: input_ids holds a null \(None\) at token 0"):
+            _first(examples)
+
+
 def test_a_null_is_named_by_its_example_in_a_shuffled_window_of_several_arrow_chunks():
     datasets = pytest.importorskip("datasets")
     clean = datasets.Dataset.from_list([{"input_ids": [index + 1] * (1 + index % 3)} for index in range(5)])
@@ -99,18 +108,73 @@ def test_gather_padding_the_dtype_holds_is_written_as_it_is():
         packed.gather(UINT8, padding=torch.tensor(0))
 
 
+@pytest.mark.parametrize(
+    ("tokens", "dtype", "message"),
+    [
+        ([70000, 1, 2], torch.float16, r"document 0 holds values outside \[-65504.0, 65504.0\], which torch.float16"),
+        ([2**40 + 1, 1, 2], torch.float32, "document 0 holds integers torch.float32 cannot hold exactly"),
+        ([2**24 + 1, 1, 2], torch.float32, "document 0 holds integers torch.float32 cannot hold exactly"),
+        ([2**63 - 1, 1, 2], torch.float64, "document 0 holds integers torch.float64 cannot hold exactly"),
+        (torch.tensor([1e6, 1.0, 2.0], dtype=torch.float64), torch.float16, "document 0 holds values outside"),
+        (torch.tensor([1e39, 1.0, 2.0], dtype=torch.float64), torch.float32, "document 0 holds values outside"),
+        ([2**64 - 1, 1, 2], None, "document 0's tokens are not a tensor of numbers torch holds"),
+    ],
+)
+def test_gather_into_a_floating_dtype_refuses_values_it_would_overflow_or_round(tokens, dtype, message):
+    with pytest.raises(ValueError, match=message):
+        _packed().gather([tokens, [4, 5]], dtype=dtype)
+
+
+def test_gather_into_a_floating_dtype_writes_what_it_holds():
+    packed = _packed()
+    assert packed.gather([[65504, 2**11, 3], [4, 5]], dtype=torch.float16)[0, :3].tolist() == [65504, 2048, 3]
+    assert packed.gather([[2**24, -(2**24), 1], [4, 5]], dtype=torch.float32)[0, :3].tolist() == [2**24, -(2**24), 1]
+    rounded = packed.gather([torch.tensor([0.1, 0.2, 0.3], dtype=torch.float64), torch.tensor([4.0, 5.0])])
+    assert rounded.dtype == torch.float64  # promoted, nothing rounds
+    halves = packed.gather(
+        [torch.tensor([0.1, float("inf"), float("nan")]), torch.tensor([4.0, 5.0])], dtype=torch.bfloat16
+    )
+    assert (
+        halves[0, 0] == torch.tensor(0.1, dtype=torch.bfloat16)
+        and halves[0, 1] == float("inf")
+        and halves[0, 2].isnan()
+    )
+
+
+@pytest.mark.parametrize(
+    ("padding", "dtype", "message"),
+    [
+        (2**24 + 1, torch.float32, r"padding=16777217 is not exactly a value of torch.float32, which would round it"),
+        (2049, torch.float16, r"padding=2049 is not exactly a value of torch.float16"),
+        (2**63 - 1, torch.float64, r"padding=9223372036854775807 is not exactly a value of torch.float64"),
+    ],
+)
+def test_an_integer_padding_a_floating_dtype_would_round_raises(padding, dtype, message):
+    with pytest.raises(ValueError, match=message):
+        _packed().gather(UINT8, padding=padding, dtype=dtype)
+
+
 # ------------------------------------------------------------------ the loader's padding id
 
 
 @pytest.mark.parametrize("padding_token_id", [2**70, 2**63, -(2**63) - 1])
 def test_a_padding_token_id_past_int64_raises_at_construction(padding_token_id):
-    with pytest.raises(ValueError, match=rf"padding_token_id must fit in int64 .*got {padding_token_id}"):
+    with pytest.raises(ValueError, match=rf"padding_token_id={padding_token_id} is outside .* torch.int64 cannot hold"):
         PackedDataset([[1, 2]], **LOADER, padding_token_id=padding_token_id)
 
 
 @pytest.mark.parametrize("padding_token_id", [2**63 - 1, -(2**63)])
 def test_a_padding_token_id_at_int64_s_limits_is_written(padding_token_id):
     assert _first([[1, 2]], padding_token_id=padding_token_id)["input_ids"][0].tolist()[2:] == [padding_token_id] * 6
+
+
+@pytest.mark.parametrize("pad_token_id", [2**70, 2**63, -(2**63) - 1])
+def test_a_collator_pad_token_id_past_int64_raises_at_construction(pad_token_id):
+    from packfn.integrations.hf import PackedCollator
+
+    with pytest.raises(ValueError, match=rf"pad_token_id={pad_token_id} is outside .* torch.int64 cannot hold"):
+        PackedCollator(6, pad_token_id=pad_token_id)
+    assert PackedCollator(6, pad_token_id=2**63 - 1).pad_token_id == 2**63 - 1
 
 
 # ------------------------------------------------------------------ a state over other examples
@@ -238,14 +302,15 @@ def _layout() -> packfn.PackedSequenceLayout:
 @pytest.mark.parametrize(
     ("dtype", "fill", "message"),
     [
-        (torch.int64, 0.5, "fill=0.5 is not an integer, which values of torch.int64 cannot hold"),
+        (torch.int64, 0.5, "fill=0.5 is not an integer, which torch.int64 would truncate"),
         (torch.int64, float("inf"), "fill=inf is not an integer"),
-        (torch.uint8, -1, r"fill=-1 is outside \[0, 255\], which values of torch.uint8 cannot hold"),
+        (torch.uint8, -1, r"fill=-1 is outside \[0, 255\], which torch.uint8 cannot hold"),
         (torch.uint8, 256, r"fill=256 is outside \[0, 255\]"),
         (torch.bool, 2, r"fill=2 is outside \[0, 1\]"),
         (torch.int64, 2**53 + 1, "fill=9007199254740993 does not pass exactly as the op's float64 scalar"),
         (torch.int64, 2**63 - 1, "does not pass exactly"),  # as a float64 it is 2**63, which wraps
         (torch.float16, 1e6, "fill=1000000.0 is outside .* the finite values of torch.float16"),
+        (torch.float32, 2**24 + 1, "fill=16777217 is not exactly a value of torch.float32"),
     ],
 )
 def test_pack_fill_the_values_dtype_cannot_hold_raises_naming_fill(dtype, fill, message):
@@ -268,3 +333,35 @@ def test_pack_fill_the_values_dtype_holds_is_written_as_it_is():
         assert packed.dtype == dtype and packed[0, padding].tolist() == [fill] * 4, (dtype, fill)
     nan = layout.pack(torch.zeros(1, 9), fill=float("nan"))
     assert nan[0, padding].isnan().all()
+
+
+@pytest.mark.parametrize("dtype", [torch.uint16, torch.uint32, torch.uint64, torch.float8_e4m3fn, torch.float8_e5m2])
+def test_pack_and_restore_of_a_dtype_torch_cannot_gather_raise_naming_values(dtype):
+    layout = _layout()
+    message = rf"values must be bool, an integer dtype up to int64 .* got {dtype}"
+    with pytest.raises(ValueError, match=message):
+        layout.pack(torch.zeros(1, 9).to(dtype))
+    with pytest.raises(ValueError, match=message):
+        layout.restore(torch.zeros(1, 12).to(dtype))
+
+
+@pytest.mark.parametrize(
+    "dtype",
+    [
+        torch.bool,
+        torch.uint8,
+        torch.int8,
+        torch.int16,
+        torch.int32,
+        torch.int64,
+        torch.float16,
+        torch.bfloat16,
+        torch.float32,
+        torch.float64,
+        torch.complex64,
+    ],
+)
+def test_pack_and_restore_take_every_dtype_they_accept(dtype):
+    layout = _layout()
+    values = torch.tensor([[1, 0, 1, 1, 0, 1, 1, 0, 0]]).to(dtype)  # column 8 is padding: restore writes 0 there
+    assert torch.equal(layout.restore(layout.pack(values)), values)

@@ -155,6 +155,7 @@ DATA_RULES = {
     "negative length": ([[3, -2]], [[3, -2]], 9, 8, layout_ops.layout_rules(8)[1].message),
     "span shorter than its length": ([[3, 4]], [[3, 3]], 9, 8, layout_ops.layout_rules(8)[2].message),
     "spans past the input row": ([[3, 4], [1, 0]], [[4, 4], [1, 0]], 7, 8, layout_ops.layout_rules(8)[3].message),
+    "one span alone past the input row": ([[3]], [[8]], 7, 8, layout_ops.layout_rules(8)[3].message),
     "documents do not fit budget": ([[3, 4], [1, 1]], None, 9, 4, "do not fit budget=4"),
 }
 
@@ -260,7 +261,7 @@ def test_pack_and_restore_reject_bad_arguments():
         SMALL.restore(torch.zeros(3, 12))
     with pytest.raises(ValueError, match="values must have shape"):
         SMALL.restore(torch.zeros(2))
-    with pytest.raises(TypeError, match="fill must be an int or float"):
+    with pytest.raises(TypeError, match="fill must be an int or a float"):
         SMALL.pack(torch.zeros(2, 10), fill=torch.tensor(1.0))
     with pytest.raises(TypeError, match=re.escape("values must be a torch.Tensor")):
         SMALL.restore([[0.0] * 12] * 2)

@@ -1,4 +1,4 @@
-"""packfn.integrations.torchtune against torchtune 0.6.1: the packed collate function, its document ids, the static batch."""
+"""packfn.integrations.torchtune against torchtune 0.6.1: the packed collate function, its ids, the static batch."""
 
 from __future__ import annotations
 

@@ -113,7 +113,16 @@ def test_no_file_in_scripts_shadows_the_standard_library():
 
 def test_every_entry_script_starts_with_the_one_bootstrap():
     """Each entry script puts the repository root on sys.path with the same lines, before any project import."""
-    assert set(ENTRY_SCRIPTS) == {"bench", "bench_cp", "bench_packer", "export", "gpu_check", "hf_train", "main_job", "train_cp"}
+    assert set(ENTRY_SCRIPTS) == {
+        "bench",
+        "bench_cp",
+        "bench_packer",
+        "export",
+        "gpu_check",
+        "hf_train",
+        "main_job",
+        "train_cp",
+    }
     for name in ENTRY_SCRIPTS:
         source = (SCRIPTS / f"{name}.py").read_text()
         assert BOOTSTRAP in source, f"scripts/{name}.py lacks the bootstrap"
