@@ -15,6 +15,7 @@ import torch
 __all__ = [
     "MASK_DTYPES",
     "check_bool",
+    "check_gatherable",
     "check_int",
     "check_int_or_none",
     "check_integer_tensor",
@@ -96,9 +97,15 @@ def check_bool(value: object, name: str) -> bool:
     return value
 
 
-def check_table(tensor: object, name: str, *, ranks: tuple[int, ...] = (2,)) -> torch.Tensor:
-    """Return ``tensor`` if it is a non-empty integer (not bool) tensor of one of ``ranks``, else raise."""
+def check_table(tensor: object, name: str, *, ranks: tuple[int, ...] = (2,), uint64: bool = False) -> torch.Tensor:
+    """Return ``tensor`` if it is a non-empty integer (not bool) tensor of one of ``ranks``, else raise.
+
+    uint64 only where ``uint64``: the ops read tables as int64, where its
+    values from ``2**63`` on would turn negative (``-1``, a marker).
+    """
     check_integer_tensor(tensor, name)
+    if tensor.dtype == torch.uint64 and not uint64:
+        raise ValueError(f"{name} must not be uint64: the ops read it as int64, where 2**63 and above turn negative")
     if tensor.ndim not in ranks:
         shapes = " or ".join({1: "[n]", 2: "[batch, sequence]"}.get(rank, f"rank {rank}") for rank in ranks)
         raise ValueError(f"{name} must have shape {shapes}, got {tuple(tensor.shape)}")
@@ -135,6 +142,15 @@ def check_token_ids(token_ids: object, name: str, *, vocab_size: int | None = No
     return list(ids)
 
 
+def check_gatherable(dtype: torch.dtype, name: str) -> None:
+    """Raise ``ValueError`` for a dtype torch's gather and scatter kernels lack (uint16 / 32 / 64, 8-bit floats)."""
+    if not (dtype.itemsize >= 2 if dtype.is_floating_point else dtype.is_complex or dtype in MASK_DTYPES):
+        raise ValueError(
+            f"{name} must be bool, an integer dtype up to int64 (not uint16, uint32 or uint64) or a floating "
+            f"dtype of at least 16 bits, which torch's gathers support; got {dtype}"
+        )
+
+
 def integer_range(dtype: torch.dtype) -> tuple[int, int]:
     """The smallest and largest value an integral (or bool) ``dtype`` holds."""
     if dtype == torch.bool:
@@ -151,6 +167,8 @@ def check_scalar_fits(value: object, dtype: torch.dtype, name: str) -> int | flo
     an integral ``dtype``, an integer outside its range, a finite value past a
     floating ``dtype``'s largest finite value, an integer a floating ``dtype``
     would round (a float may round: infinity and NaN pass as they are).
+    The float checks are comparisons only, which ``torch.compile`` traces on a
+    float input as guards on its range (no recompile for another value).
     """
     if isinstance(value, torch.Tensor) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be an int or a float, got {type(value).__name__}")
@@ -166,11 +184,13 @@ def check_scalar_fits(value: object, dtype: torch.dtype, name: str) -> int | flo
                 raise ValueError(f"{name}={value!r} is not exactly a value of {dtype}, which would round it to {held}")
             return held
         number = float(value)
-        if math.isfinite(number) and abs(number) > limit:
+        if number == number and limit < abs(number) < math.inf:  # NaN and infinities pass as they are
             raise ValueError(f"{name}={value!r} is outside [{-limit}, {limit}], the finite values of {dtype}")
         return number
-    if not isinstance(value, numbers.Integral) and not (math.isfinite(value) and float(value).is_integer()):
-        raise ValueError(f"{name}={value!r} is not an integer, which {dtype} would truncate")
+    if not isinstance(value, numbers.Integral):
+        number = float(value)
+        if number != number or abs(number) == math.inf or number != int(number):
+            raise ValueError(f"{name}={value!r} is not an integer, which {dtype} would truncate")
     low, high = integer_range(dtype)
     if not low <= int(value) <= high:
         raise ValueError(f"{name}={value!r} is outside [{low}, {high}], which {dtype} cannot hold")

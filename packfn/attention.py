@@ -134,7 +134,8 @@ def attention_inputs(
 
     Raises:
         TypeError / ValueError: a malformed mask, an unregistered backend, a
-            non-positive ``block_size`` or a non-floating ``dtype``.
+            non-positive ``block_size``, a ``dtype`` that is not floating of
+            16 bits or more, a ``build_mask`` that is not callable.
         RuntimeError: (a sync-free assert) negative or decreasing ids, for the
             masks (any ids are valid segments for ``"flash_varlen"``, and
             ``"document_ids"`` passes them on as they are).
@@ -143,8 +144,10 @@ def attention_inputs(
     kind = attention_backend(backend)
     block_size = check_positive_int(block_size, "block_size")
     dtype = torch.get_default_dtype() if dtype is None else dtype
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise TypeError(f"dtype must be a floating torch.dtype (the additive mask's), got {dtype!r}")
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point or dtype.itemsize < 2:
+        raise TypeError(f"dtype must be a floating torch.dtype of 16 bits or more (the additive mask's), got {dtype!r}")
+    if build_mask is not None and not callable(build_mask):
+        raise TypeError(f"build_mask must be callable or None, got {type(build_mask).__name__}")
     if kind == "flash_varlen":
         cu_seqlens = _varlen_ops.physical_varlen_metadata_op(document_ids).cu_seqlens
         return flash_kwargs(cu_seqlens, document_ids.shape[1])

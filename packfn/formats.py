@@ -247,7 +247,7 @@ def document_ids_from_eos(
             vocabulary or equal to ``pad_token_id``.
         RuntimeError: (a sync-free assert) a token outside the vocabulary.
     """
-    check_table(input_ids, "input_ids")
+    check_table(input_ids, "input_ids", uint64=True)
     vocab_size = check_int_or_none(vocab_size, "vocab_size", minimum=1)
     markers = check_token_ids(eos_token_id, "eos_token_id", vocab_size=vocab_size)
     check_padding_mask(attention_mask, input_ids.shape)

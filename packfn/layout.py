@@ -41,7 +41,7 @@ from dataclasses import dataclass
 
 import torch
 
-from packfn._checks import check_int, check_positive_int, check_scalar_fits, check_tensor
+from packfn._checks import check_gatherable, check_int, check_positive_int, check_scalar_fits, check_tensor
 from packfn._compat import sym_max, sym_min
 from packfn._ops import layout as _ops
 from packfn._ops._registry import assert_rules
@@ -51,13 +51,6 @@ __all__ = ["LENGTH_DTYPES", "PackedSequenceLayout", "aligned_layout", "as_rows",
 
 LENGTH_DTYPES = (torch.int32, torch.int64)
 """The dtypes of ``seq_lens`` / ``seq_lens_padded`` tables."""
-
-
-def _movable(dtype: torch.dtype) -> bool:
-    """Whether torch's gather and scatter kernels take ``dtype`` (no uint16 / 32 / 64, no 8-bit floats)."""
-    if dtype.is_floating_point:
-        return dtype.itemsize >= 2
-    return dtype.is_complex or dtype in (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
 
 
 @dataclass(frozen=True)
@@ -83,11 +76,7 @@ class PackedSequenceLayout:
 
     def _check_values(self, values: torch.Tensor, width: int, axis: str) -> None:
         check_tensor(values, "values")
-        if not _movable(values.dtype):
-            raise ValueError(
-                f"values must be bool, an integer dtype up to int64 (not uint16, uint32 or uint64) or a floating "
-                f"dtype of at least 16 bits, which torch's gathers support; got {values.dtype}"
-            )
+        check_gatherable(values.dtype, "values")
         batch = self.source_indices.shape[0]
         if values.ndim < 2 or values.shape[0] != batch or values.shape[1] != width:
             raise ValueError(f"values must have shape [batch={batch}, {axis}={width}, ...], got {tuple(values.shape)}")

@@ -11,7 +11,7 @@ from typing import NamedTuple
 
 import torch
 
-from packfn._checks import check_scalar_fits, integer_range
+from packfn._checks import check_gatherable, check_scalar_fits, integer_range
 
 __all__ = ["CLOSED_BY", "PackedBatch", "Piece", "Pieces", "document_ids", "token_positions"]
 
@@ -187,7 +187,7 @@ class PackedBatch:
                 finite value outside a floating ``dtype``'s range).
         """
         pieces = self.pieces
-        slices = []
+        slices, defaults = [], []
         for document, offset, length, total in zip(
             pieces.document.tolist(), pieces.offset.tolist(), pieces.length.tolist(), pieces.total.tolist(), strict=True
         ):
@@ -195,24 +195,21 @@ class PackedBatch:
                 entry = documents[document]
             except (KeyError, IndexError):
                 raise ValueError(f"documents has no entry for document {document}, which this batch packs") from None
-            try:
-                values = torch.as_tensor(entry)
-            except (
-                OverflowError,
-                RuntimeError,
-                TypeError,
-                ValueError,
-            ) as error:  # ints past int64, strings, ragged lists
-                raise ValueError(
-                    f"document {document}'s tokens are not a tensor of numbers torch holds: {error}"
-                ) from None
+            values, default = _document_values(entry, document)
             if values.ndim != 1 or values.shape[0] != total:
                 raise ValueError(
                     f"document {document} was packed with {total} tokens, got tokens of shape {tuple(values.shape)}"
                 )
             slices.append((document, values[offset : offset + length]))
+            defaults.append(default)
         if dtype is None:
-            dtype = reduce(torch.promote_types, [values.dtype for _, values in slices]) if slices else torch.int64
+            try:
+                dtype = reduce(torch.promote_types, defaults) if defaults else torch.int64
+            except RuntimeError as error:  # no promotion between uint16 / 32 / 64 and the signed dtypes
+                raise ValueError(f"the documents' dtypes have no common dtype ({error}): pass dtype") from None
+        elif not isinstance(dtype, torch.dtype):
+            raise TypeError(f"dtype must be a torch.dtype or None, got {type(dtype).__name__}")
+        check_gatherable(dtype, "dtype")
         padding = check_scalar_fits(padding, dtype, "padding")
         for document, values in slices:
             _check_holds(values, dtype, document)
@@ -250,10 +247,34 @@ def document_ids(
     return flat[:-1].view(batch, sequence)
 
 
+def _document_values(entry: object, document: int) -> tuple[torch.Tensor, torch.dtype]:
+    """A document's values and the dtype they default to.
+
+    A list of floats defaults to float32 (complex64 for complex numbers) but is
+    read in double precision, so a ``dtype`` that holds its values gets them
+    unrounded and float32 refuses what it would overflow.
+    """
+    try:
+        values = torch.as_tensor(entry)
+        if not hasattr(entry, "dtype") and (values.is_floating_point() or values.is_complex()):
+            return torch.as_tensor(
+                entry, dtype=torch.complex128 if values.is_complex() else torch.float64
+            ), values.dtype
+    except (OverflowError, RuntimeError, TypeError, ValueError) as error:  # ints past int64, strings, ragged lists
+        raise ValueError(f"document {document}'s tokens are not a tensor of numbers torch holds: {error}") from None
+    return values, values.dtype
+
+
 def _check_holds(values: torch.Tensor, dtype: torch.dtype, document: int) -> None:
     """Raise ``ValueError`` where ``values`` would not survive a cast to ``dtype`` (truncated, wrapped, rounded)."""
     if not values.numel() or values.dtype == dtype:
         return
+    if values.is_complex() and not dtype.is_complex:
+        raise ValueError(f"document {document} holds complex values, whose imaginary parts {dtype} would drop")
+    if values.dtype in (torch.uint16, torch.uint32, torch.uint64):  # few kernels take them: compare as int64
+        if values.dtype == torch.uint64 and bool((values.view(torch.int64) < 0).any()):
+            raise ValueError(f"document {document} holds values of 2**63 or more, which {dtype} cannot hold")
+        values = values.view(torch.int64) if values.dtype == torch.uint64 else values.to(torch.int64)
     if dtype.is_floating_point or dtype.is_complex:
         cast = values.to(dtype)
         if bool((torch.isinf(cast) & ~torch.isinf(values)).any()):

@@ -57,6 +57,8 @@ def test_a_new_entry_in_the_registry_is_a_new_backend(monkeypatch):
         (lambda: packfn.attention_inputs(EXAMPLE, "eager", dtype=torch.int64), TypeError, "floating"),
         (lambda: packfn.attention_inputs(EXAMPLE, "sdpa", dtype=torch.int64), TypeError, "floating"),  # any backend
         (lambda: packfn.attention_inputs(EXAMPLE, "flash_varlen", dtype="float32"), TypeError, "floating"),
+        (lambda: packfn.attention_inputs(EXAMPLE, "eager", dtype=torch.float8_e4m3fn), TypeError, "16 bits or more"),
+        (lambda: packfn.attention_inputs(EXAMPLE, "sdpa", build_mask=3), TypeError, "build_mask must be callable"),
         (
             lambda: packfn.attention_inputs(EXAMPLE.to(torch.uint16)),
             ValueError,

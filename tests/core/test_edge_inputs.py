@@ -125,6 +125,32 @@ def test_gather_into_a_floating_dtype_refuses_values_it_would_overflow_or_round(
         _packed().gather([tokens, [4, 5]], dtype=dtype)
 
 
+@pytest.mark.parametrize(
+    ("documents", "dtype", "error", "message"),
+    [
+        ([[1e300, 1.0], [1.0, 2.0, 3.0]], None, ValueError, r"document 0 holds values outside .* torch.float32"),
+        ([torch.tensor([1 + 1j, 2]), [3.0, 4.0, 5.0]], torch.float32, ValueError, "imaginary parts torch.float32"),
+        ([[1, 2], [3, 4, 5]], torch.uint16, ValueError, "dtype must be bool, an integer dtype up to int64"),
+        ([[1, 2], [3, 4, 5]], torch.float8_e4m3fn, ValueError, "dtype must be bool, an integer dtype up to int64"),
+        ([[1, 2], [3, 4, 5]], "int64", TypeError, "dtype must be a torch.dtype or None, got str"),
+        ([torch.tensor([2**63, 1], dtype=torch.uint64), [3, 4, 5]], torch.int64, ValueError, "2\*\*63 or more"),
+        ([numpy.array([2**64 - 1, 1], dtype=numpy.uint64), [3, 4, 5]], None, ValueError, "have no common dtype"),
+    ],
+)
+def test_gather_refuses_documents_and_dtypes_it_cannot_write_exactly(documents, dtype, error, message):
+    with pytest.raises(error, match=message):
+        packfn.pack_documents([2, 3], sequence=6, alignment=1, max_documents=2).gather(documents, dtype=dtype)
+
+
+def test_gather_reads_a_list_of_floats_in_double_precision():
+    packed = packfn.pack_documents([2, 3], sequence=6, alignment=1, max_documents=2)
+    wide = packed.gather([[1e300, 0.1], [1.0, 2.0, 3.0]], dtype=torch.float64)
+    assert wide[0, :2].tolist() == [1e300, 0.1]
+    assert packed.gather([[0.1, 1.0], [1.0, 2.0, 3.0]]).dtype == torch.float32  # the default stays float32
+    unsigned = [torch.tensor([1, 2], dtype=torch.uint32), torch.tensor([3, 4, 5], dtype=torch.uint32)]
+    assert packed.gather(unsigned, dtype=torch.int64)[0].tolist() == [1, 2, 3, 4, 5, 0]
+
+
 def test_gather_into_a_floating_dtype_writes_what_it_holds():
     packed = _packed()
     assert packed.gather([[65504, 2**11, 3], [4, 5]], dtype=torch.float16)[0, :3].tolist() == [65504, 2048, 3]
@@ -333,6 +359,20 @@ def test_pack_fill_the_values_dtype_holds_is_written_as_it_is():
         assert packed.dtype == dtype and packed[0, padding].tolist() == [fill] * 4, (dtype, fill)
     nan = layout.pack(torch.zeros(1, 9), fill=float("nan"))
     assert nan[0, padding].isnan().all()
+
+
+def test_a_fill_passed_into_a_compiled_function_compiles_fullgraph_and_is_still_checked():
+    """A float argument may be traced (torch.compile need not specialize floats): its checks are guards, no break."""
+    layout = _layout()
+    pack = torch.compile(lambda values, fill: layout.pack(values, fill=fill), backend="aot_eager", fullgraph=True)
+    for fill in (0.25, -3.5):
+        assert pack(torch.ones(1, 9), fill)[0, 3] == fill
+    with pytest.raises(Exception, match="is outside"):  # the raise, or torch's report that quotes its line
+        pack(torch.ones(1, 9), 1e39)
+    integral = torch.compile(lambda values, fill: layout.pack(values, fill=fill), backend="aot_eager", fullgraph=True)
+    assert integral(torch.ones(1, 9, dtype=torch.int64), 2.0)[0, 3] == 2
+    with pytest.raises(Exception, match="would truncate"):  # never truncated to 2
+        integral(torch.ones(1, 9, dtype=torch.int64), 2.5)
 
 
 @pytest.mark.parametrize("dtype", [torch.uint16, torch.uint32, torch.uint64, torch.float8_e4m3fn, torch.float8_e5m2])

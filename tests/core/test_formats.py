@@ -287,6 +287,10 @@ def test_document_ids_from_seq_idx_ignores_the_largest_index_at_padding():
 
 
 BAD_ARGUMENTS = [
+    (lambda: packfn.document_ids_from_cu_seqlens(torch.tensor([0, 3, 2**64 - 1], dtype=torch.uint64), 6), ValueError,
+     "cu_seqlens must not be uint64"),  # 2**64 - 1 would read as the trailing -1
+    (lambda: packfn.document_ids_from_seq_idx(torch.tensor([[0, 2**64 - 1]], dtype=torch.uint64)), ValueError,
+     "seq_idx must not be uint64"),
     (lambda: packfn.document_ids_from_eos(torch.tensor([[1, 2]]), 8, vocab_size=8), ValueError,
      r"eos_token_id 8 is outside the vocabulary \[0, 8\)"),
     (lambda: packfn.document_ids_from_eos(torch.tensor([[1, 2]]), -1), ValueError, "must not be negative"),
