@@ -79,7 +79,9 @@ def check_mask(document_ids: object, *, name: str = "document_ids") -> torch.Ten
     if document_ids.ndim != 2:
         raise ValueError(f"{name} must have shape [batch, sequence], got {tuple(document_ids.shape)}")
     if document_ids.dtype not in MASK_DTYPES:
-        raise ValueError(f"{name} must hold document ids of dtype {_MASK_DTYPE_NAMES}, got {document_ids.dtype}")
+        raise ValueError(
+            f"{name} must hold integer or bool document ids ({_MASK_DTYPE_NAMES}), got dtype {document_ids.dtype}"
+        )
     if document_ids.numel() == 0:
         raise ValueError(f"{name} must not be empty, got shape {tuple(document_ids.shape)}")
     return document_ids
@@ -123,7 +125,10 @@ def check_padding_mask(attention_mask: object, shape, name: str = "attention_mas
         return None
     check_tensor(attention_mask, name)
     if attention_mask.dtype not in MASK_DTYPES:
-        raise ValueError(f"{name} must be {_MASK_DTYPE_NAMES} (nonzero: a real token), got {attention_mask.dtype}")
+        raise ValueError(
+            f"{name} must hold integers or bools ({_MASK_DTYPE_NAMES}; nonzero: a real token), "
+            f"got dtype {attention_mask.dtype}"
+        )
     if attention_mask.ndim != 2 or (shape is not None and tuple(attention_mask.shape) != tuple(shape)):
         expected = "[batch, sequence]" if shape is None else str(tuple(shape))
         raise ValueError(f"{name} must have shape {expected}, got {tuple(attention_mask.shape)}")

@@ -62,7 +62,7 @@ def test_a_new_entry_in_the_registry_is_a_new_backend(monkeypatch):
         (
             lambda: packfn.attention_inputs(EXAMPLE.to(torch.uint16)),
             ValueError,
-            r"document_ids must hold document ids of dtype bool, uint8, int8, int16, int32 or int64, got torch.uint16",
+            r"integer or bool document ids \(bool, uint8, int8, int16, int32 or int64\), got dtype torch.uint16",
         ),
         (lambda: packfn.attention_inputs(EXAMPLE, "block_mask", block_size=0), ValueError, "block_size"),
         (lambda: packfn.attention_inputs(EXAMPLE[0]), ValueError, r"shape \[batch, sequence\]"),

@@ -300,7 +300,7 @@ BAD_ARGUMENTS = [
     (lambda: packfn.document_ids_from_eos(torch.tensor([[1.0]]), 1), ValueError, "must hold integers"),
     (lambda: packfn.document_ids_from_position_ids(torch.tensor([0, 1])), ValueError, r"shape \[batch, sequence\]"),
     (lambda: packfn.document_ids_from_position_ids(torch.tensor([[0, 1]]), attention_mask=torch.ones(1, 3)),
-     ValueError, "attention_mask must be bool, uint8, int8, int16, int32 or int64"),
+     ValueError, "attention_mask must hold integers or bools \\(bool, uint8, int8, int16, int32 or int64"),
     (lambda: packfn.document_ids_from_position_ids(torch.tensor([[0, 1]]), start=-1), ValueError,
      "must not be negative"),
     (lambda: packfn.document_ids_from_cu_seqlens(torch.tensor([[0, 2]]), 4, batch=3), ValueError, "one table per row"),
