@@ -15,6 +15,7 @@ import torch
 __all__ = [
     "MASK_DTYPES",
     "check_bool",
+    "check_fits_int64",
     "check_gatherable",
     "check_int",
     "check_int_or_none",
@@ -145,6 +146,12 @@ def check_token_ids(token_ids: object, name: str, *, vocab_size: int | None = No
             where = "must not be negative" if vocab_size is None else f"is outside the vocabulary [0, {vocab_size})"
             raise ValueError(f"{name} {token} {where}")
     return list(ids)
+
+
+def check_fits_int64(tensor: torch.Tensor, name: str, what: str = "values") -> None:
+    """Raise ``ValueError`` where a uint64 ``tensor`` holds values of ``2**63`` or more (negative as int64)."""
+    if tensor.dtype == torch.uint64 and tensor.numel() and bool((tensor.view(torch.int64) < 0).any()):
+        raise ValueError(f"{name} holds {what} of 2**63 or more, which int64 cannot hold")
 
 
 def check_gatherable(dtype: torch.dtype, name: str) -> None:

@@ -11,7 +11,7 @@ from typing import NamedTuple
 
 import torch
 
-from packfn._checks import check_gatherable, check_scalar_fits, integer_range
+from packfn._checks import check_fits_int64, check_gatherable, check_scalar_fits, integer_range
 
 __all__ = ["CLOSED_BY", "PackedBatch", "Piece", "Pieces", "document_ids", "token_positions"]
 
@@ -211,8 +211,8 @@ class PackedBatch:
             raise TypeError(f"dtype must be a torch.dtype or None, got {type(dtype).__name__}")
         check_gatherable(dtype, "dtype")
         padding = check_scalar_fits(padding, dtype, "padding")
-        for document, values in slices:
-            _check_holds(values, dtype, document)
+        for (document, values), default in zip(slices, defaults, strict=True):
+            _check_holds(values, dtype, document, default)
         out = torch.full((self.batch * self.sequence,), padding, dtype=dtype)
         if slices:
             out.index_copy_(
@@ -265,15 +265,18 @@ def _document_values(entry: object, document: int) -> tuple[torch.Tensor, torch.
     return values, values.dtype
 
 
-def _check_holds(values: torch.Tensor, dtype: torch.dtype, document: int) -> None:
-    """Raise ``ValueError`` where ``values`` would not survive a cast to ``dtype`` (truncated, wrapped, rounded)."""
+def _check_holds(values: torch.Tensor, dtype: torch.dtype, document: int, default: torch.dtype) -> None:
+    """Raise ``ValueError`` where ``values`` would not survive a cast to ``dtype`` (truncated, wrapped, rounded).
+
+    ``default`` is the document's own dtype, which messages name (a list of
+    floats is read as float64 but is float32).
+    """
     if not values.numel() or values.dtype == dtype:
         return
     if values.is_complex() and not dtype.is_complex:
         raise ValueError(f"document {document} holds complex values, whose imaginary parts {dtype} would drop")
     if values.dtype in (torch.uint16, torch.uint32, torch.uint64):  # few kernels take them: compare as int64
-        if values.dtype == torch.uint64 and bool((values.view(torch.int64) < 0).any()):
-            raise ValueError(f"document {document} holds values of 2**63 or more, which {dtype} cannot hold")
+        check_fits_int64(values, f"document {document}")
         values = values.view(torch.int64) if values.dtype == torch.uint64 else values.to(torch.int64)
     if dtype.is_floating_point or dtype.is_complex:
         cast = values.to(dtype)
@@ -285,7 +288,7 @@ def _check_holds(values: torch.Tensor, dtype: torch.dtype, document: int) -> Non
         return  # a float may round
     if values.is_floating_point() or values.is_complex():
         raise ValueError(
-            f"document {document} holds {values.dtype} values, which gather(dtype={dtype}) would truncate; "
+            f"document {document} holds {default} values, which gather(dtype={dtype}) would truncate; "
             "pass a floating dtype"
         )
     low, high = integer_range(dtype)

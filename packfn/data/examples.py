@@ -8,6 +8,7 @@ from typing import NamedTuple
 
 import torch
 
+from packfn._checks import check_fits_int64
 from packfn.formats import IGNORE_INDEX
 
 __all__ = ["IGNORE_INDEX", "Examples", "Tokens", "check_lengths", "concatenate", "decode_example", "token_tensor"]
@@ -49,7 +50,7 @@ def token_tensor(values: object, index: int, name: str, *, kind: str = "example"
         raise TypeError(f"{kind} {index}: {name} must hold integer token ids, got dtype {tensor.dtype}")
     if tensor.ndim != 1:
         raise ValueError(f"{kind} {index}: {name} must be 1-D, got shape {tuple(tensor.shape)}")
-    _check_int64(tensor, f"{kind} {index}: {name}")
+    check_fits_int64(tensor, f"{kind} {index}: {name}", "token ids")
     return tensor.to(torch.int64)
 
 
@@ -64,12 +65,6 @@ def _raise_if_null(values: object, index: int, name: str, kind: str = "example")
         position = next((position for position, value in enumerate(values) if value is None), None)
         if position is not None:
             raise _null_entry(index, name, position, kind=kind) from None
-
-
-def _check_int64(tensor: torch.Tensor, name: str) -> None:
-    """Raise ``ValueError`` for unsigned 64-bit ids that int64 cannot hold (they would turn negative)."""
-    if tensor.dtype == torch.uint64 and tensor.numel() and bool((tensor.view(torch.int64) < 0).any()):
-        raise ValueError(f"{name} holds token ids of 2**63 or more, which int64 cannot hold")
 
 
 def decode_example(example: object, index: int) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -205,7 +200,7 @@ class Examples:
         }
         for name in ("input_ids", "labels"):
             if name in flat:
-                _check_int64(flat[name], f"column {name!r}")
+                check_fits_int64(flat[name], f"column {name!r}", "token ids")
         tokens = flat["input_ids"].to(torch.int64)
         labels = flat["labels"].to(torch.int64) if "labels" in flat else None
         if "loss_mask" in flat:
