@@ -10,13 +10,17 @@ import tempfile
 import pytest
 from hypothesis import settings
 
-# Compiled artifacts are cached by the graph that calls a packfn op, not by
-# the op's decomposition: a cache left by an older checkout could hand these
-# tests code compiled from old decompositions. Each test process compiles
-# into a fresh cache of its own (set before torch is imported).
-_CACHE = tempfile.mkdtemp(prefix="packfn-inductor-")
-os.environ["TORCHINDUCTOR_CACHE_DIR"] = _CACHE
-atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
+# A test run compiles into a fresh Inductor cache, never one a user's
+# earlier runs left: packfn tags its cache keys with its source digest
+# (packfn/_cache.py), and tests/core/test_cache.py checks that tag against
+# caches it fills itself. The process that starts pytest makes the folder;
+# the xdist workers and the processes tests start inherit it (an environment
+# variable, set before torch is imported), so a graph compiled by one is a
+# cache hit for the others.
+if "PACKFN_TEST_INDUCTOR_CACHE" not in os.environ:
+    os.environ["PACKFN_TEST_INDUCTOR_CACHE"] = tempfile.mkdtemp(prefix="packfn-inductor-")
+    atexit.register(shutil.rmtree, os.environ["PACKFN_TEST_INDUCTOR_CACHE"], ignore_errors=True)
+os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.environ["PACKFN_TEST_INDUCTOR_CACHE"]
 
 # Hypothesis: every failure prints the blob that reproduces it
 # (``@reproduce_failure(...)``), CI (which sets CI=true) draws the same
