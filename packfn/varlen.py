@@ -113,6 +113,10 @@ def _check_values(values: object, minimum_rank: int) -> None:
         raise ValueError(f"values must have shape {shape}, got {tuple(values.shape)}")
 
 
+_SIGNED = {torch.uint16: torch.int16, torch.uint32: torch.int32, torch.uint64: torch.int64}
+"""Unsigned dtypes torch's ``index_select`` lacks, and the signed ones of their width that carry their bits."""
+
+
 def unpad(values: torch.Tensor, metadata: VarlenMetadata) -> torch.Tensor:
     """Move activations into varlen token order: valid tokens first, then zeros.
 
@@ -138,6 +142,8 @@ def unpad(values: torch.Tensor, metadata: VarlenMetadata) -> torch.Tensor:
             f"values {tuple(values.shape)} do not match the mask's [batch, sequence] = "
             f"[{indices.numel() // sequence}, {sequence}]"
         )
+    if values.dtype in _SIGNED:  # moved by their bits (zero is zero in both)
+        return _ops.unpad_op(values.view(_SIGNED[values.dtype]), indices, num_tokens).view(values.dtype)
     return _ops.unpad_op(values, indices, num_tokens)
 
 
@@ -164,6 +170,7 @@ def pad(values: torch.Tensor, metadata: VarlenMetadata) -> torch.Tensor:
     indices, num_tokens, sequence = _check_varlen_metadata(metadata)
     if values.shape[0] != indices.numel():
         raise ValueError(f"values {tuple(values.shape)} must have batch * sequence = {indices.numel()} rows")
-    padded, broken = _ops.pad_op(values, indices, num_tokens, sequence)
+    moved = values.view(_SIGNED[values.dtype]) if values.dtype in _SIGNED else values  # as in unpad
+    padded, broken = _ops.pad_op(moved, indices, num_tokens, sequence)
     assert_rules(broken, _ops.PAD_RULES)
-    return padded
+    return padded.view(values.dtype)

@@ -369,10 +369,10 @@ def _from_position_ids_eager(
     array = array.astype(numpy.int64, copy=False)  # a difference in a narrow dtype wraps (255 -> 0 in uint8)
     numpy.not_equal(array[:, 1:] - array[:, :-1], 1, out=starts[:, 1:])
     first, length, index = _document_runs(starts)
-    # Inside a document the positions count up by 1, so its first one is its smallest.
     opening = array.reshape(-1)[first]
     restart = start is not None and bool((opening != start).any())
-    broken = numpy.array([(opening < 0).any(), restart])
+    # Every position, not only each document's first: 2**63 - 1 then -2**63 differ by 1 in int64 (a wrap).
+    broken = numpy.array([array.min() < 0, restart])
     return torch.from_numpy(_expand(index, length, array.shape)), torch.from_numpy(broken)
 
 

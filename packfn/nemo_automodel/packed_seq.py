@@ -55,16 +55,29 @@ def packed_seq_params_from_doc_ids(doc_ids: torch.Tensor) -> PackedSeqParams:
     """
     if isinstance(doc_ids, torch.Tensor) and doc_ids.dim() != 2:
         raise ValueError(f"doc_ids must be 2D [batch, sequence], got shape {tuple(doc_ids.shape)}")
-    check_mask(doc_ids, name="doc_ids")
+    ids = check_mask(_equal_runs(doc_ids), name="doc_ids")
     if not torch.compiler.is_compiling():
         # Eager: the starts in one pass, then their positions at the exact
         # segment count (nonzero's read of the count) and the longest
         # segment: upstream's two host reads, with none of its other passes.
-        starts = _ops.segment_starts(doc_ids).reshape(-1).nonzero().squeeze(1)
-        cu_seqlens = torch.cat([starts, starts.new_tensor([doc_ids.numel()])]).to(torch.int32)
+        starts = _ops.segment_starts(ids).reshape(-1).nonzero().squeeze(1)
+        cu_seqlens = torch.cat([starts, starts.new_tensor([ids.numel()])]).to(torch.int32)
         longest = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())  # a non-empty mask has a segment
         return PackedSeqParams(cu_seqlens=cu_seqlens, max_seqlen=longest, doc_ids=doc_ids)
-    return trimmed_params(doc_ids, _ops.physical_varlen_metadata_op(doc_ids))
+    return trimmed_params(doc_ids, _ops.physical_varlen_metadata_op(ids))
+
+
+def _equal_runs(doc_ids: object) -> object:
+    """``doc_ids`` in a dtype the ops take with the same runs of equal ids (uint16/32/64 widened or reinterpreted).
+
+    Segments here are runs of equal ids, so any integer ids do, as upstream's:
+    uint16 and uint32 widen exactly, and uint64 is read by its bits as int64.
+    """
+    if not isinstance(doc_ids, torch.Tensor):
+        return doc_ids
+    if doc_ids.dtype == torch.uint64:
+        return doc_ids.view(torch.int64)
+    return doc_ids.to({torch.uint16: torch.int32, torch.uint32: torch.int64}.get(doc_ids.dtype, doc_ids.dtype))
 
 
 def trimmed_params(doc_ids: torch.Tensor, varlen: _ops.PhysicalVarlenOutputs) -> PackedSeqParams:

@@ -71,6 +71,13 @@ def test_seq_idx_refuses_a_document_id_of_2_to_the_31_plus_one():
         packfn.seq_idx_from_document_ids(torch.tensor([[2**31, 2**31 + 1]]))
 
 
+def test_seq_idx_writes_int32_s_minimum_as_the_pad_index():
+    seq_idx = packfn.seq_idx_from_document_ids(torch.tensor([[1, 0]]), pad_index=-(2**31))
+    assert seq_idx.dtype == torch.int32 and seq_idx.tolist() == [[0, -(2**31)]]
+    with pytest.raises(ValueError, match="pad_index"):
+        packfn.seq_idx_from_document_ids(torch.tensor([[1, 0]]), pad_index=-(2**31) - 1)
+
+
 # ------------------------------------------------------------------ seq_lens' default cap
 
 

@@ -317,6 +317,8 @@ def test_unsigned_ids_beyond_int64_raise_instead_of_turning_negative():
 
         column = pyarrow.array([huge.tolist()], type=pyarrow.list_(pyarrow.uint64()))
         _first(datasets.Dataset(pyarrow.table({"input_ids": column})))
+    with pytest.raises(ValueError, match=r"example 0: input_ids holds token ids of 2\*\*63 or more"):
+        _first([numpy.array([1, 2**64 - 1], dtype=numpy.uint64)])  # -1 by its bits as int64
     assert _first([huge[1:]])["input_ids"][0, 0] == 1  # uint64 ids that fit are taken
     with pytest.raises(ValueError, match="example 0: input_ids holds token ids outside int64"):
         _first([[2**63, 1]])

@@ -102,6 +102,9 @@ def test_gather_padding_the_dtype_holds_is_written_as_it_is():
     assert packed.gather(UINT8, padding=float("-inf"), dtype=torch.float16)[1, 3] == float("-inf")
     assert packed.gather(UINT8, padding=2**70, dtype=torch.float32)[1, 3] == float(2**70)
     assert packed.gather(UINT8, padding=numpy.int64(7))[1, 3] == 7
+    # float16's largest finite value, as an int and as a float, is held (one past it is not, above).
+    assert packed.gather(UINT8, padding=65504, dtype=torch.float16)[1, 3] == 65504
+    assert packed.gather(UINT8, padding=-65504.0, dtype=torch.float16)[1, 3] == -65504
     with pytest.raises(TypeError, match="padding must be an int or a float, got str"):
         packed.gather(UINT8, padding="0")
     with pytest.raises(TypeError, match="padding must be an int or a float, got Tensor"):
@@ -134,12 +137,19 @@ def test_gather_into_a_floating_dtype_refuses_values_it_would_overflow_or_round(
         ([[1, 2], [3, 4, 5]], torch.float8_e4m3fn, ValueError, "dtype must be bool, an integer dtype up to int64"),
         ([[1, 2], [3, 4, 5]], "int64", TypeError, "dtype must be a torch.dtype or None, got str"),
         ([torch.tensor([2**63, 1], dtype=torch.uint64), [3, 4, 5]], torch.int64, ValueError, "2\*\*63 or more"),
+        ([torch.tensor([1, 2**64 - 1], dtype=torch.uint64), [3, 4, 5]], torch.int64, ValueError, "2\*\*63 or more"),
         ([numpy.array([2**64 - 1, 1], dtype=numpy.uint64), [3, 4, 5]], None, ValueError, "have no common dtype"),
     ],
 )
 def test_gather_refuses_documents_and_dtypes_it_cannot_write_exactly(documents, dtype, error, message):
     with pytest.raises(error, match=message):
         packfn.pack_documents([2, 3], sequence=6, alignment=1, max_documents=2).gather(documents, dtype=dtype)
+
+
+def test_gather_of_an_empty_batch_is_int64_unless_told():
+    packed = packfn.pack_documents([], sequence=4, batch=1, alignment=1, max_documents=2)
+    assert packed.gather([]).dtype == torch.int64 and packed.gather([]).tolist() == [[0, 0, 0, 0]]
+    assert packed.gather([], dtype=torch.float16, padding=-1).tolist() == [[-1, -1, -1, -1]]
 
 
 def test_gather_reads_a_list_of_floats_in_double_precision():
@@ -178,6 +188,18 @@ def test_gather_into_a_floating_dtype_writes_what_it_holds():
 def test_an_integer_padding_a_floating_dtype_would_round_raises(padding, dtype, message):
     with pytest.raises(ValueError, match=message):
         _packed().gather(UINT8, padding=padding, dtype=dtype)
+
+
+# ------------------------------------------------------------------ positions that wrap int64
+
+
+@pytest.mark.parametrize("start", [None, 0])
+@pytest.mark.parametrize("attention_mask", [None, torch.ones(1, 6, dtype=torch.int64)], ids=["runs", "masked"])
+def test_a_negative_position_after_int64_s_maximum_is_refused_not_read_as_continuing(start, attention_mask):
+    """2**63 - 1 then -2**63 differ by 1 in int64: the CPU kernel's runs read them as one document."""
+    positions = torch.tensor([[0, 1, 2, 3, 2**63 - 1, -(2**63)]])
+    with pytest.raises(RuntimeError, match="position_ids must not be negative"):
+        packfn.document_ids_from_position_ids(positions, attention_mask=attention_mask, start=start)
 
 
 # ------------------------------------------------------------------ the loader's padding id

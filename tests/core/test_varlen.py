@@ -66,6 +66,22 @@ def test_unpad_pad_round_trip_any_dtype(dtype, trailing):
     assert torch.equal(values, before)
 
 
+@pytest.mark.parametrize("trailing", [(), (2,)])
+@pytest.mark.parametrize(
+    ("dtype", "signed"), [(torch.uint16, torch.int16), (torch.uint32, torch.int32), (torch.uint64, torch.int64)]
+)
+def test_unpad_pad_move_unsigned_dtypes_index_select_lacks_by_their_bits(dtype, signed, trailing):
+    """Values near each dtype's maximum (negative in the signed dtype) come back unchanged, zeros at padding."""
+    metadata = packfn.varlen_metadata(EXAMPLE)
+    bits = -1 - torch.arange(12 * max(1, torch.Size(trailing).numel()), dtype=signed).reshape(2, 6, *trailing)
+    values = bits.view(dtype)
+    unpadded = packfn.unpad(values, metadata)
+    assert unpadded.dtype == dtype and torch.equal(unpadded.view(signed), packfn.unpad(bits, metadata))
+    padded = packfn.pad(unpadded, metadata)
+    valid = (EXAMPLE != 0).reshape(2, 6, *[1] * len(trailing))
+    assert padded.dtype == dtype and torch.equal(padded.view(signed), torch.where(valid, bits, 0))
+
+
 def test_pad_writes_zeros_over_a_nan_tail():
     metadata = packfn.varlen_metadata(EXAMPLE)
     values = torch.randn(12, 3, dtype=torch.float64)
