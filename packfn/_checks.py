@@ -136,6 +136,12 @@ def check_padding_mask(attention_mask: object, shape, name: str = "attention_mas
     return attention_mask
 
 
+def check_same_device(tensor: torch.Tensor | None, name: str, other: torch.Tensor, other_name: str) -> None:
+    """Raise ``ValueError`` where ``tensor`` (None passes) is not on ``other``'s device: torch's errors name neither."""
+    if tensor is not None and tensor.device != other.device:
+        raise ValueError(f"{name} is on {tensor.device} but {other_name} on {other.device}: put them on one device")
+
+
 def check_token_ids(token_ids: object, name: str, *, vocab_size: int | None = None) -> list[int]:
     """One token id or several as a list of ints, each in ``[0, vocab_size)`` (or not negative); else raise."""
     ids = [token_ids] if is_int(token_ids) else token_ids

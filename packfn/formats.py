@@ -42,6 +42,7 @@ from packfn._checks import (
     check_mask,
     check_padding_mask,
     check_positive_int,
+    check_same_device,
     check_table,
     check_token_ids,
 )
@@ -179,6 +180,7 @@ def document_ids_from_position_ids(
     """
     check_table(position_ids, "position_ids")
     check_padding_mask(attention_mask, position_ids.shape)
+    check_same_device(attention_mask, "attention_mask", position_ids, "position_ids")
     check_int_or_none(pad_position, "pad_position")
     check_int_or_none(start, "start", minimum=0)
     result = _ops.document_ids_from_position_ids_op(position_ids, attention_mask, pad_position, start)
@@ -251,6 +253,7 @@ def document_ids_from_eos(
     vocab_size = check_int_or_none(vocab_size, "vocab_size", minimum=1)
     markers = check_token_ids(eos_token_id, "eos_token_id", vocab_size=vocab_size)
     check_padding_mask(attention_mask, input_ids.shape)
+    check_same_device(attention_mask, "attention_mask", input_ids, "input_ids")
     check_int_or_none(pad_token_id, "pad_token_id")
     if pad_token_id is not None and pad_token_id in markers:
         raise ValueError(f"pad_token_id {pad_token_id} is also a marker in eos_token_id {markers}: pass attention_mask")
@@ -318,6 +321,7 @@ def document_ids_from_cu_seqlens(
     else:
         rows = batch if batch is not None else (attention_mask.shape[0] if attention_mask is not None else 1)
     check_padding_mask(attention_mask, (rows, sequence))
+    check_same_device(attention_mask, "attention_mask", cu_seqlens, "cu_seqlens")
     result = _ops.document_ids_from_cu_seqlens_op(cu_seqlens, rows, sequence, attention_mask)
     return _checked(result, _ops.CU_SEQLENS_RULES)
 
@@ -372,6 +376,7 @@ def document_ids_from_seq_idx(
     """
     check_table(seq_idx, "seq_idx")
     check_padding_mask(attention_mask, seq_idx.shape)
+    check_same_device(attention_mask, "attention_mask", seq_idx, "seq_idx")
     check_int_or_none(pad_index, "pad_index")
     result = _ops.document_ids_from_seq_idx_op(seq_idx, attention_mask, pad_index)
     return _checked(result, _ops.SEQ_IDX_RULES)

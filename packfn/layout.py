@@ -41,7 +41,14 @@ from dataclasses import dataclass
 
 import torch
 
-from packfn._checks import check_gatherable, check_int, check_positive_int, check_scalar_fits, check_tensor
+from packfn._checks import (
+    check_gatherable,
+    check_int,
+    check_positive_int,
+    check_same_device,
+    check_scalar_fits,
+    check_tensor,
+)
 from packfn._compat import sym_max, sym_min
 from packfn._ops import layout as _ops
 from packfn._ops._registry import assert_rules
@@ -77,6 +84,7 @@ class PackedSequenceLayout:
     def _check_values(self, values: torch.Tensor, width: int, axis: str) -> None:
         check_tensor(values, "values")
         check_gatherable(values.dtype, "values")
+        check_same_device(values, "values", self.source_indices, "the layout")
         batch = self.source_indices.shape[0]
         if values.ndim < 2 or values.shape[0] != batch or values.shape[1] != width:
             raise ValueError(f"values must have shape [batch={batch}, {axis}={width}, ...], got {tuple(values.shape)}")

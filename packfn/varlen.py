@@ -18,7 +18,7 @@ from typing import NamedTuple
 
 import torch
 
-from packfn._checks import check_mask, check_positive_int, check_tensor
+from packfn._checks import check_mask, check_positive_int, check_same_device, check_tensor
 from packfn._ops import varlen as _ops
 from packfn._ops._registry import assert_rules
 from packfn.metadata import VarlenMetadata
@@ -124,7 +124,10 @@ def unpad(values: torch.Tensor, metadata: VarlenMetadata) -> torch.Tensor:
 
     Args:
         values: ``[batch, sequence, ...]``, any dtype.
-        metadata: :class:`packfn.VarlenMetadata` of the batch's mask.
+        metadata: :class:`packfn.VarlenMetadata` of the batch's mask, as
+            :func:`varlen_metadata` made it: ``unpad`` reads it unchecked
+            (an edited ``num_tokens`` moves that many rows), :func:`pad`
+            checks it.
 
     Returns:
         ``[batch * sequence, ...]``: row ``i < num_tokens`` is valid token
@@ -137,6 +140,7 @@ def unpad(values: torch.Tensor, metadata: VarlenMetadata) -> torch.Tensor:
     """
     _check_values(values, 2)
     indices, num_tokens, sequence = _check_varlen_metadata(metadata)
+    check_same_device(values, "values", indices, "metadata")
     if values.shape[1] != sequence or values.shape[0] * sequence != indices.numel():
         raise ValueError(
             f"values {tuple(values.shape)} do not match the mask's [batch, sequence] = "
@@ -168,9 +172,12 @@ def pad(values: torch.Tensor, metadata: VarlenMetadata) -> torch.Tensor:
     """
     _check_values(values, 1)
     indices, num_tokens, sequence = _check_varlen_metadata(metadata)
+    check_same_device(values, "values", indices, "metadata")
     if values.shape[0] != indices.numel():
         raise ValueError(f"values {tuple(values.shape)} must have batch * sequence = {indices.numel()} rows")
-    moved = values.view(_SIGNED[values.dtype]) if values.dtype in _SIGNED else values  # as in unpad
-    padded, broken = _ops.pad_op(moved, indices, num_tokens, sequence)
+    signed = values.dtype in _SIGNED  # moved by their bits, as in unpad
+    padded, broken = _ops.pad_op(
+        values.view(_SIGNED[values.dtype]) if signed else values, indices, num_tokens, sequence
+    )
     assert_rules(broken, _ops.PAD_RULES)
-    return padded.view(values.dtype)
+    return padded.view(values.dtype) if signed else padded

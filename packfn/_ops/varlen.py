@@ -218,7 +218,7 @@ def pad_op(
     values: torch.Tensor, indices: torch.Tensor, num_tokens: torch.Tensor, sequence: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     inverse, broken = _inverse_permutation(indices, num_tokens)
-    keep = inverse < num_tokens
+    keep = inverse < num_tokens.clamp_max(indices.numel())  # a num_tokens past the rows is flagged, never read
     # Padding rows read row 0 and are then zeroed: whatever the unpadded tail
     # holds (uninitialized rows of a varlen kernel, NaN) never reaches them.
     source = torch.where(keep, inverse, 0)

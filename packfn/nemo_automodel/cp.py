@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from packfn._checks import check_tensor
+from packfn._checks import check_scalar_fits, check_tensor
 from packfn._utils import round_up
 from packfn.distributed import cp as _cp
 from packfn.nemo_automodel.layout import packed_layout
@@ -269,6 +269,8 @@ def shard_cp_batch(
     if batch.get("pixel_values") is not None or batch.get("inputs_embeds") is not None:
         raise ValueError("DeepSeek V4.1 context parallelism currently supports text input_ids only")
     padding_token_id = 0 if padding_token_id is None else padding_token_id
+    if isinstance(batch.get("input_ids"), torch.Tensor):  # named here, not as pack's fill or torch.full's value
+        check_scalar_fits(padding_token_id, batch["input_ids"].dtype, "padding_token_id")
     batch = dict(batch)
     packed = batch.get("seq_lens") is not None
     if not packed and (batch.get("cu_seqlens") is not None or batch.get("qkv_format") == "thd"):

@@ -56,7 +56,8 @@ def packed_layout(
         ValueError: upstream's messages, in upstream's order: non-positive
             alignment, non-integer dtypes, mismatched shapes, an absent
             document with a span, and a negative length, a span shorter
-            than its length or spans past the input row. Under
+            than its length or spans past the input row; an ``alignment``
+            or ``minimum_length`` whose rows would pass int64. Under
             ``torch.compile`` / ``torch.export`` the data errors are
             sync-free asserts (``RuntimeError``) with the same messages.
     """
@@ -83,6 +84,10 @@ def packed_layout(
     # upstream's ValueError; traced: an unbacked size and sync-free asserts
     # with upstream's messages), and one trim.
     bound = worst_case_budget(sequence, lengths.shape[1], alignment, minimum_length)
+    if isinstance(bound, int) and bound >= 2**63:  # the op's int64 positions would wrap (upstream: an overflow)
+        raise ValueError(
+            f"alignment={alignment} and minimum_length={minimum_length} allow rows of {bound} positions, past int64"
+        )
     lengths, spans = _core_absent(lengths, spans)
     exact = exact_on_cpu(lengths, spans)
     if exact:

@@ -202,6 +202,46 @@ def test_a_negative_position_after_int64_s_maximum_is_refused_not_read_as_contin
         packfn.document_ids_from_position_ids(positions, attention_mask=attention_mask, start=start)
 
 
+# ------------------------------------------------------------------ tensors on two devices
+
+META = {"device": "meta"}
+IDS = torch.tensor([[1, 1, 2, 0]])
+
+
+def _layout_of_ids() -> packfn.PackedSequenceLayout:
+    lengths = packfn.seq_lens_from_document_ids(IDS, max_documents=2)
+    return packfn.aligned_layout(lengths, sequence_length=4, alignment=2, budget=8)
+
+
+MASK = torch.ones(1, 4, dtype=torch.int64, **META)
+TWO_DEVICES = {
+    "eos": (
+        lambda: packfn.document_ids_from_eos(IDS, 2, attention_mask=MASK),
+        "attention_mask is on meta but input_ids",
+    ),
+    "position_ids": (
+        lambda: packfn.document_ids_from_position_ids(IDS, attention_mask=MASK),
+        "attention_mask is on meta but position_ids",
+    ),
+    "seq_idx": (lambda: packfn.document_ids_from_seq_idx(IDS, attention_mask=MASK), "attention_mask is on meta"),
+    "cu_seqlens": (
+        lambda: packfn.document_ids_from_cu_seqlens(torch.tensor([0, 2, 4]), sequence=4, attention_mask=MASK),
+        "attention_mask is on meta but cu_seqlens on cpu",
+    ),
+    "unpad": (lambda: packfn.unpad(torch.zeros(1, 4, **META), packfn.varlen_metadata(IDS)), "values is on meta"),
+    "pad": (lambda: packfn.pad(torch.zeros(4, 2, **META), packfn.varlen_metadata(IDS)), "values is on meta"),
+    "pack": (lambda: _layout_of_ids().pack(torch.zeros(1, 4, **META)), "values is on meta but the layout on cpu"),
+    "restore": (lambda: _layout_of_ids().restore(torch.zeros(1, 8, **META)), "values is on meta but the layout"),
+}
+
+
+@pytest.mark.parametrize("case", list(TWO_DEVICES))
+def test_tensors_on_two_devices_raise_naming_both(case):
+    call, message = TWO_DEVICES[case]
+    with pytest.raises(ValueError, match=message):
+        call()
+
+
 # ------------------------------------------------------------------ the loader's padding id
 
 

@@ -120,6 +120,8 @@ def test_unpad_and_pad_are_each_others_backward():
         (lambda m: packfn.pad(torch.zeros(11, 2), m), ValueError, "12 rows"),
         (lambda m: packfn.pad(torch.zeros(()), m), ValueError, r"\[batch \* sequence, \.\.\.\]"),
         (lambda m: packfn.pad(torch.zeros(12), m._replace(indices=m.indices.flip(0))), RuntimeError, "permutation"),
+        (lambda m: packfn.pad(torch.zeros(12), m._replace(num_tokens=m.num_tokens + 1)), RuntimeError, "permutation"),
+        (lambda m: packfn.pad(torch.zeros(12), m._replace(num_tokens=m.num_tokens + 4)), RuntimeError, "permutation"),
     ],
 )
 def test_unpad_pad_errors(call, error, message):

@@ -180,6 +180,17 @@ def test_layout_lengths_near_int64s_limit_raise_upstreams_error(exact, lengths):
     assert layout_ops.aligned_layout_op(lengths, lengths, 8, 1, 8).broken.any()
 
 
+@pytest.mark.parametrize(("alignment", "minimum_length"), [(2**62, 0), (2**63 - 1, 0), (4, 2**63 - 3)])
+def test_an_alignment_or_minimum_length_whose_rows_pass_int64_is_named(alignment, minimum_length):
+    """Upstream fails inside torch.full (an overflow, or an allocation); the aligned spans would wrap int64."""
+    kwargs = {"seq_lens_padded": None, "input_shape": (1, 4), "alignment": alignment, "minimum_length": minimum_length}
+    with pytest.raises(ValueError, match=f"alignment={alignment} and minimum_length={minimum_length} allow rows of"):
+        packed_layout(torch.tensor([[2, 2]]), **kwargs)
+    assert packed_layout(
+        torch.tensor([[2, 2]]), **{**kwargs, "alignment": 2**20, "minimum_length": 0}
+    ).position_ids.shape == (1, 2**21)
+
+
 # ---------------------------------------------------------------- pack and restore
 
 

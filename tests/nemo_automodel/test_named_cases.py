@@ -115,6 +115,24 @@ def _four_dimensional_masks():
     return {"bool": visible, "additive float": additive, "2-D": real.long()}
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["contiguous", "packed"])
+def test_shard_cp_batch_padding_token_id_the_dtype_holds_matches_upstream_and_others_are_named(packed):
+    batch = {"input_ids": torch.tensor([[1, 2, 3, 4, 5]], dtype=torch.uint8), "labels": torch.tensor([[1, 2, 3, 4, 5]])}
+    if packed:
+        batch["seq_lens"] = torch.tensor([[2, 3]])
+    alignment = 4 if packed else 1
+    theirs = upstream_cp.shard_cp_batch(
+        FakeMesh(1, 2), None, dict(batch), padding_token_id=255, packed_alignment=alignment
+    )
+    ours = drop_ins.shard_cp_batch(FakeMesh(1, 2), None, dict(batch), padding_token_id=255, packed_alignment=alignment)
+    assert_same(ours[1], theirs[1])
+    assert ours[1]["input_ids"][0, -1] == 255
+    # Upstream writes -1 as 255 and 0.5 as 0; packfn names the argument.
+    for padding, message in ((-1, r"padding_token_id=-1 is outside \[0, 255\]"), (0.5, "padding_token_id=0.5 is not")):
+        with pytest.raises(ValueError, match=message):
+            drop_ins.shard_cp_batch(FakeMesh(1, 2), None, dict(batch), padding_token_id=padding)
+
+
 @pytest.mark.parametrize("kind", list(_four_dimensional_masks()))
 @pytest.mark.parametrize("rank", [0, 1])
 def test_shard_cp_batch_reads_padding_off_a_4d_mask_like_upstream(kind, rank):
