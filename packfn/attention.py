@@ -31,7 +31,7 @@ from typing import Any, Final, Literal, get_args
 
 import torch
 
-from packfn._checks import check_mask, check_positive_int
+from packfn._checks import check_mask, check_positive_int, check_same_device
 from packfn._ops import varlen as _varlen_ops
 from packfn.masks import additive_mask, block_causal_mask, checked_block_mask
 from packfn.varlen import flash_kwargs
@@ -99,6 +99,7 @@ def passthrough_inputs(document_ids: torch.Tensor, **tensors: torch.Tensor | Non
         if not isinstance(tensor, torch.Tensor) or tensor.shape != document_ids.shape:
             shape = tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else type(tensor).__name__
             raise ValueError(f"{name} must have the shape of document_ids {tuple(document_ids.shape)}, got {shape}")
+        check_same_device(tensor, name, document_ids, "document_ids")
         result[name] = tensor
     return result
 

@@ -243,6 +243,7 @@ def aligned_layout(
     for name, tensor in (("seq_lens", lengths), ("seq_lens_padded", spans)):
         if tensor.dtype not in LENGTH_DTYPES:
             raise ValueError(f"{name} must hold int32 or int64 document lengths, got dtype {tensor.dtype}")
+    check_same_device(spans, "seq_lens_padded", lengths, "seq_lens")
     check_int(sequence_length, "sequence_length", minimum=0)
     alignment = check_positive_int(alignment, "alignment")
     budget = check_positive_int(budget, "budget")

@@ -18,7 +18,7 @@ from collections.abc import Callable
 import torch
 from torch.nn.attention.flex_attention import BlockMask
 
-from packfn._checks import check_mask, check_positive_int
+from packfn._checks import check_mask, check_positive_int, check_same_device
 from packfn._ops import masks as _ops
 from packfn._ops._registry import assert_rules
 from packfn._ops.metadata import mask_rules
@@ -102,6 +102,7 @@ def _check_positions(positions: object, document_ids: torch.Tensor) -> None:
         raise ValueError(
             f"positions must have the shape of document_ids {tuple(document_ids.shape)}, got {tuple(positions.shape)}"
         )
+    check_same_device(positions, "positions", document_ids, "document_ids")
 
 
 def document_mask_mod(

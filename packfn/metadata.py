@@ -25,7 +25,7 @@ from typing import NamedTuple
 
 import torch
 
-from packfn._checks import check_integer_tensor, check_mask, check_positive_int
+from packfn._checks import check_integer_tensor, check_mask, check_positive_int, check_same_device
 from packfn._ops import metadata as _ops
 from packfn._ops._registry import assert_rules
 
@@ -205,6 +205,7 @@ def flatten_metadata(packed_token_indices: torch.Tensor, cu_seqlens: torch.Tenso
         )
     batch, sequence = packed_token_indices.shape
     check_metadata_shapes(packed_token_indices, cu_seqlens, batch, sequence)
+    check_same_device(cu_seqlens, "cu_seqlens", packed_token_indices, "packed_token_indices")
     if cu_seqlens.shape[1] < 2:
         raise ValueError(
             f"cu_seqlens must have shape [batch, D + 1] with at least one document slot (D >= 1), "

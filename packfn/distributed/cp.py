@@ -45,7 +45,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from packfn._checks import check_int, check_positive_int, check_tensor
+from packfn._checks import check_int, check_positive_int, check_same_device, check_scalar_fits, check_tensor
 from packfn._compat import AsyncCollectiveTensor, all_gather, all_gather_autograd
 from packfn.distributed.balanced import BALANCES, BalancePlan, balanced_layout
 from packfn.layout import PackedSequenceLayout, aligned_layout
@@ -116,10 +116,13 @@ def _check_rank(rank: int, world: int) -> tuple[int, int]:
     return rank, world
 
 
-def _check_tokens(name: str, tensor: object, shape: tuple[int, int]) -> None:
+def _check_tokens(name: str, tensor: object, input_ids: torch.Tensor) -> None:
     check_tensor(tensor, name)
-    if tuple(tensor.shape) != shape:
-        raise ValueError(f"{name} must have shape [batch, sequence] = {list(shape)}, got {tuple(tensor.shape)}")
+    if tensor.shape != input_ids.shape:
+        raise ValueError(
+            f"{name} must have shape [batch, sequence] = {list(input_ids.shape)}, got {tuple(tensor.shape)}"
+        )
+    check_same_device(tensor, name, input_ids, "input_ids")
 
 
 def _local_columns(values: torch.Tensor, source: torch.Tensor, fill: int | float) -> torch.Tensor:
@@ -163,7 +166,7 @@ def shard_packed_batch(
             ``"contiguous"``, of ``2 * world * alignment`` for the balanced
             shards (NOTE [Why the budget is a multiple of world * alignment]).
         alignment: Alignment of document starts (the compression group).
-        padding_token_id: Token written at padding.
+        padding_token_id: Token written at padding, a value `input_ids`' dtype holds.
         balance: ``"rotated"`` (default): per-document head-tail chunks, each
             document's padding before its tokens and its chunk pair rotated
             from one document to the next (NOTE [Padding first, pairs
@@ -181,7 +184,8 @@ def shard_packed_batch(
 
     Raises:
         TypeError: a non-tensor input or non-int static argument.
-        ValueError: shapes that do not match, ``rank`` outside ``[0, world)``,
+        ValueError: shapes that do not match, tensors on two devices, a
+            ``padding_token_id`` ``input_ids``' dtype cannot hold, ``rank`` outside ``[0, world)``,
             an unknown ``balance``, or a ``budget`` that is not a multiple of
             ``world * alignment`` (``2 * world * alignment`` when balanced).
         RuntimeError: (sync-free asserts) the data errors of
@@ -207,9 +211,9 @@ def shard_packed_batch(
         shape = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
         raise ValueError(f"input_ids must be a [batch, sequence] tensor, got {shape}")
     shape = tuple(input_ids.shape)
-    _check_tokens("labels", labels, shape)
+    _check_tokens("labels", labels, input_ids)
     if loss_mask is not None:
-        _check_tokens("loss_mask", loss_mask, shape)
+        _check_tokens("loss_mask", loss_mask, input_ids)
     if shape[1] == 0:
         raise ValueError("input_ids must have at least one column")
     check_tensor(seq_lens, "seq_lens")
@@ -220,6 +224,8 @@ def shard_packed_batch(
             f"got {tuple(seq_lens.shape)}"
         )
     check_int(padding_token_id, "padding_token_id")
+    check_scalar_fits(padding_token_id, input_ids.dtype, "padding_token_id")
+    check_same_device(seq_lens, "seq_lens", input_ids, "input_ids")
     if labels.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"labels must be an int32 or int64 tensor (padding is labelled -100), got {labels.dtype}")
     plan = None

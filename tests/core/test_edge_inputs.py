@@ -232,7 +232,35 @@ TWO_DEVICES = {
     "pad": (lambda: packfn.pad(torch.zeros(4, 2, **META), packfn.varlen_metadata(IDS)), "values is on meta"),
     "pack": (lambda: _layout_of_ids().pack(torch.zeros(1, 4, **META)), "values is on meta but the layout on cpu"),
     "restore": (lambda: _layout_of_ids().restore(torch.zeros(1, 8, **META)), "values is on meta but the layout"),
+    "aligned_layout": (
+        lambda: packfn.aligned_layout(
+            torch.tensor([[3, 1]]), torch.tensor([[3, 1]], **META), sequence_length=4, alignment=1, budget=4
+        ),
+        "seq_lens_padded is on meta but seq_lens on cpu",
+    ),
+    "flatten_metadata": (
+        lambda: packfn.flatten_metadata(torch.tensor([[0, 1, 2, -1]]), torch.tensor([[0, 2, 3]], **META)),
+        "cu_seqlens is on meta but packed_token_indices on cpu",
+    ),
+    "document_block_mask": (
+        lambda: packfn.document_block_mask(IDS, window=2, positions=packfn.packed_position_ids(IDS).to("meta")),
+        "positions is on meta but document_ids on cpu",
+    ),
+    "shard_packed_batch labels": (
+        lambda: _shard(labels=torch.zeros(1, 4, dtype=torch.int64, **META)),
+        "labels is on meta but input_ids on cpu",
+    ),
+    "shard_packed_batch seq_lens": (
+        lambda: _shard(seq_lens=torch.tensor([[3, 1]], **META)),
+        "seq_lens is on meta but input_ids on cpu",
+    ),
 }
+
+
+def _shard(**tensors) -> packfn.CPShard:
+    inputs = {"seq_lens": torch.tensor([[3, 1]]), "input_ids": IDS, "labels": IDS, **tensors}
+    seq_lens = inputs.pop("seq_lens")
+    return packfn.shard_packed_batch(seq_lens, None, **inputs, rank=0, world=1, budget=4, balance="contiguous")
 
 
 @pytest.mark.parametrize("case", list(TWO_DEVICES))
@@ -240,6 +268,17 @@ def test_tensors_on_two_devices_raise_naming_both(case):
     call, message = TWO_DEVICES[case]
     with pytest.raises(ValueError, match=message):
         call()
+
+
+@pytest.mark.parametrize(
+    ("padding_token_id", "message"),
+    [(-1, r"padding_token_id=-1 is outside \[0, 255\]"), (256, r"padding_token_id=256 is outside \[0, 255\]")],
+)
+def test_a_shard_padding_token_id_the_tokens_cannot_hold_raises_naming_it(padding_token_id, message):
+    with pytest.raises(ValueError, match=message):
+        _shard(input_ids=IDS.to(torch.uint8), padding_token_id=padding_token_id)
+    shard = _shard(seq_lens=torch.tensor([[2, 1]]), input_ids=IDS.to(torch.uint8), padding_token_id=255)
+    assert shard.input_ids.tolist() == [[1, 1, 2, 255]]
 
 
 # ------------------------------------------------------------------ the loader's padding id

@@ -315,6 +315,12 @@ def test_transformers_own_packed_path_needs_use_cache_false():
             "input_ids must be an integer",
         ),
         (LlamaConfig(), {"attn_implementation": "eager", "dtype": torch.int64}, TypeError, "floating"),
+        (
+            LlamaConfig(),
+            {"attn_implementation": "sdpa", "labels": torch.zeros(2, 16, dtype=torch.int64, device="meta")},
+            ValueError,
+            "labels is on meta but document_ids on cpu",
+        ),
         (LlamaConfig(), {"attn_implementation": "sdpa", "sliding_window": 0}, ValueError, "sliding_window"),
     ],
 )
