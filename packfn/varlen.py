@@ -53,7 +53,9 @@ def physical_varlen_metadata(document_ids: torch.Tensor) -> PhysicalVarlenMetada
     themselves.
 
     Args:
-        document_ids: ``[batch, sequence]`` integer or bool document ids.
+        document_ids: ``[batch, sequence]`` integer or bool document ids, of
+            any integer dtype (uint16 and uint32 are widened, uint64 read
+            by its bits: only equality matters).
 
     Returns:
         :class:`PhysicalVarlenMetadata`. For the example mask:
@@ -65,8 +67,25 @@ def physical_varlen_metadata(document_ids: torch.Tensor) -> PhysicalVarlenMetada
             or bool tensor. Any ids are valid: segments are runs of equal
             ids, whatever their values or order (as upstream's).
     """
-    check_mask(document_ids)
-    return PhysicalVarlenMetadata(*_ops.physical_varlen_metadata_op(document_ids), document_ids.shape[1])
+    ids = physical_ids(document_ids, "document_ids")
+    return PhysicalVarlenMetadata(*_ops.physical_varlen_metadata_op(ids), document_ids.shape[1])
+
+
+def physical_ids(document_ids: object, name: str) -> torch.Tensor:
+    """Checked ``[batch, sequence]`` ids of any integer dtype or bool, in one the ops take, with the same runs.
+
+    Physical segments are runs of equal ids, so any integer ids do, as
+    upstream's: uint16 and uint32 widen exactly, and uint64 is read by its
+    bits as int64.
+    """
+    check_tensor(document_ids, name)
+    if document_ids.dtype.is_floating_point or document_ids.dtype.is_complex:
+        raise ValueError(f"{name} must hold integer or bool document ids (any integer dtype), got {document_ids.dtype}")
+    if document_ids.dtype == torch.uint64:
+        document_ids = document_ids.view(torch.int64)
+    elif document_ids.dtype in (torch.uint16, torch.uint32):
+        document_ids = document_ids.to(torch.int64)
+    return check_mask(document_ids, name=name)
 
 
 def flash_kwargs(cu_seqlens: torch.Tensor, max_length) -> dict[str, torch.Tensor | int]:

@@ -10,10 +10,9 @@ from dataclasses import dataclass
 
 import torch
 
-from packfn._checks import check_mask
 from packfn._ops import varlen as _ops
 from packfn.nemo_automodel._trim import python_ints
-from packfn.varlen import flash_kwargs
+from packfn.varlen import flash_kwargs, physical_ids
 
 __all__ = ["PackedSeqParams", "packed_seq_params_from_doc_ids", "to_flash_attention_kwargs"]
 
@@ -55,7 +54,7 @@ def packed_seq_params_from_doc_ids(doc_ids: torch.Tensor) -> PackedSeqParams:
     """
     if isinstance(doc_ids, torch.Tensor) and doc_ids.dim() != 2:
         raise ValueError(f"doc_ids must be 2D [batch, sequence], got shape {tuple(doc_ids.shape)}")
-    ids = check_mask(_equal_runs(doc_ids), name="doc_ids")
+    ids = physical_ids(doc_ids, "doc_ids")
     if not torch.compiler.is_compiling():
         # Eager: the starts in one pass, then their positions at the exact
         # segment count (nonzero's read of the count) and the longest
@@ -65,19 +64,6 @@ def packed_seq_params_from_doc_ids(doc_ids: torch.Tensor) -> PackedSeqParams:
         longest = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())  # a non-empty mask has a segment
         return PackedSeqParams(cu_seqlens=cu_seqlens, max_seqlen=longest, doc_ids=doc_ids)
     return trimmed_params(doc_ids, _ops.physical_varlen_metadata_op(ids))
-
-
-def _equal_runs(doc_ids: object) -> object:
-    """``doc_ids`` in a dtype the ops take with the same runs of equal ids (uint16/32/64 widened or reinterpreted).
-
-    Segments here are runs of equal ids, so any integer ids do, as upstream's:
-    uint16 and uint32 widen exactly, and uint64 is read by its bits as int64.
-    """
-    if not isinstance(doc_ids, torch.Tensor):
-        return doc_ids
-    if doc_ids.dtype == torch.uint64:
-        return doc_ids.view(torch.int64)
-    return doc_ids.to({torch.uint16: torch.int32, torch.uint32: torch.int64}.get(doc_ids.dtype, doc_ids.dtype))
 
 
 def trimmed_params(doc_ids: torch.Tensor, varlen: _ops.PhysicalVarlenOutputs) -> PackedSeqParams:

@@ -46,6 +46,17 @@ def test_physical_varlen_metadata_compiled_with_dynamic_shapes_on_one_token_rows
         assert_same(tuple(compiled(ids)), tuple(op.math(ids)))
 
 
+@pytest.mark.parametrize("dtype", [torch.uint16, torch.uint32, torch.uint64])
+def test_physical_varlen_metadata_takes_unsigned_ids_by_their_runs(dtype):
+    """Runs of equal ids are all that counts: ids near each dtype's maximum give the int64 ids' boundaries."""
+    top = 2**64 - 1 if dtype == torch.uint64 else torch.iinfo(dtype).max
+    ids = torch.tensor([[top, top, 0, top - 1], [1, 1, 1, top]], dtype=dtype)
+    expected = packfn.physical_varlen_metadata(torch.tensor([[3, 3, 0, 2], [1, 1, 1, 3]]))
+    assert_same(tuple(packfn.physical_varlen_metadata(ids)), tuple(expected))
+    with pytest.raises(ValueError, match=r"document_ids must hold integer or bool document ids \(any integer dtype\)"):
+        packfn.physical_varlen_metadata(ids.to(torch.float32) if dtype != torch.uint64 else torch.zeros(2, 4))
+
+
 # --------------------------------------------------------------- unpad / pad
 
 
