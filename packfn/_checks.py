@@ -42,12 +42,14 @@ def is_int(value: object) -> bool:
 
 
 def check_int(value: object, name: str, *, minimum: int | None = None) -> int:
-    """Return ``value`` if it is an int (or a SymInt) of at least ``minimum``; raise ``TypeError`` / ``ValueError``.
+    """Return ``value`` if it is an int64 (or a SymInt) of at least ``minimum``; raise ``TypeError`` / ``ValueError``.
 
     A SymInt is not compared with ``minimum``: that would guard on it.
     """
     if not is_int(value):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if isinstance(value, int) and not -(2**63) <= value < 2**63:  # every size and index here is an int64
+        raise ValueError(f"{name}={value} is outside [{-(2**63)}, {2**63 - 1}], which torch.int64 cannot hold")
     if minimum is not None and isinstance(value, int) and value < minimum:
         bound = {0: "must not be negative", 1: "must be positive"}.get(minimum, f"must be at least {minimum}")
         raise ValueError(f"{name} {bound}, got {value}")

@@ -181,14 +181,18 @@ def safe_budget(sequence_length: int, documents: int, alignment: int, minimum_bu
 
     Raises:
         TypeError: an argument is not an int.
-        ValueError: ``sequence_length`` or ``documents`` is negative, or
-            ``alignment`` is not positive.
+        ValueError: ``sequence_length`` or ``documents`` is negative,
+            ``alignment`` is not positive, an argument or the budget is
+            past int64.
     """
     check_int(sequence_length, "sequence_length", minimum=0)
     check_int(documents, "documents", minimum=0)
     check_int(minimum_budget, "minimum_budget")
     alignment = check_positive_int(alignment, "alignment")
-    return worst_case_budget(sequence_length, documents, alignment, minimum_budget)
+    budget = worst_case_budget(sequence_length, documents, alignment, minimum_budget)
+    if isinstance(budget, int) and budget >= 2**63:
+        raise ValueError(f"the safe budget of these arguments, {budget}, is past int64")
+    return budget
 
 
 def as_rows(tensor: torch.Tensor) -> torch.Tensor:

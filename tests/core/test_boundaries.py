@@ -55,6 +55,29 @@ def test_a_vocabulary_of_the_dtype_s_maximum_refuses_that_token_and_one_past_it_
         packfn.document_ids_from_eos(tokens, 7, vocab_size=255, pad_token_id=pad_token_id)
 
 
+# ------------------------------------------------------------------ position ids: the first token and start
+
+
+@pytest.mark.parametrize("attention_mask", [None, torch.ones(1, 5, dtype=torch.bool)], ids=["runs", "masked"])
+def test_a_document_that_opens_below_start_is_refused(attention_mask):
+    """start=1: a document opening at 1 is fine, one opening at 0 is not (the rule is !=, not >)."""
+    positions = torch.tensor([[1, 2, 3, 1, 2]])
+    assert packfn.document_ids_from_position_ids(positions, attention_mask=attention_mask, start=1).tolist() == [
+        [1, 1, 1, 2, 2]
+    ]
+    with pytest.raises(RuntimeError, match="every document of position_ids must begin at start=1"):
+        packfn.document_ids_from_position_ids(positions - 1, attention_mask=attention_mask, start=1)
+
+
+def test_the_first_real_token_after_left_padding_opens_a_document_even_where_the_pad_value_runs_into_it():
+    """-1 then 0 counts up by one, and so does a masked 5 before 6: the first real token still opens a document."""
+    ids = packfn.document_ids_from_position_ids(torch.tensor([[-1, 0, 1, 2]]), pad_position=-1)
+    assert ids.tolist() == [[0, 1, 1, 1]]
+    masked = torch.tensor([[0, 1, 1]])
+    ids = packfn.document_ids_from_position_ids(torch.tensor([[5, 6, 7]]), attention_mask=masked, start=None)
+    assert ids.tolist() == [[0, 1, 1]]
+
+
 # ------------------------------------------------------------------ seq_idx at int32's limit
 
 

@@ -159,6 +159,8 @@ def test_gather_reads_a_list_of_floats_in_double_precision():
     assert packed.gather([[0.1, 1.0], [1.0, 2.0, 3.0]]).dtype == torch.float32  # the default stays float32
     unsigned = [torch.tensor([1, 2], dtype=torch.uint32), torch.tensor([3, 4, 5], dtype=torch.uint32)]
     assert packed.gather(unsigned, dtype=torch.int64)[0].tolist() == [1, 2, 3, 4, 5, 0]
+    zero = [torch.tensor([0, 1], dtype=torch.uint64), [3, 4, 5]]  # 0 is no value past int64
+    assert packed.gather(zero, dtype=torch.int64)[0].tolist() == [0, 1, 3, 4, 5, 0]
 
 
 def test_gather_into_a_floating_dtype_writes_what_it_holds():
@@ -279,6 +281,33 @@ def test_a_shard_padding_token_id_the_tokens_cannot_hold_raises_naming_it(paddin
         _shard(input_ids=IDS.to(torch.uint8), padding_token_id=padding_token_id)
     shard = _shard(seq_lens=torch.tensor([[2, 1]]), input_ids=IDS.to(torch.uint8), padding_token_id=255)
     assert shard.input_ids.tolist() == [[1, 1, 2, 255]]
+
+
+# ------------------------------------------------------------------ int arguments past int64
+
+PAST = 2**63
+PAST_INT64 = {
+    "max_documents": lambda: packfn.varlen_metadata(IDS, max_documents=PAST),
+    "alignment": lambda: packfn.aligned_layout(torch.tensor([[3]]), sequence_length=4, alignment=PAST, budget=8),
+    "sequence": lambda: packfn.document_ids_from_cu_seqlens(torch.tensor([0, 2]), PAST),
+    "block_size": lambda: packfn.document_block_mask(IDS, block_size=PAST),
+    "sequence ": lambda: packfn.pack_documents([3], sequence=PAST, alignment=1, max_documents=1),
+    "sequence  ": lambda: packfn.document_ids_from_seq_lens(torch.tensor([[2]]), PAST),
+}
+
+
+@pytest.mark.parametrize("name", list(PAST_INT64))
+def test_an_int_argument_past_int64_raises_naming_it(name):
+    with pytest.raises(
+        ValueError, match=f"^{name.strip()}=9223372036854775808 is outside .*, which torch.int64 cannot"
+    ):
+        PAST_INT64[name]()
+
+
+def test_a_safe_budget_past_int64_raises_and_one_within_is_returned():
+    with pytest.raises(ValueError, match="the safe budget of these arguments, 9223372036854775808, is past int64"):
+        packfn.safe_budget(4, 2, 2**62)
+    assert packfn.safe_budget(4, 1, 2**62) == 2**62
 
 
 # ------------------------------------------------------------------ the loader's padding id

@@ -93,6 +93,13 @@ def test_unpad_pad_move_unsigned_dtypes_index_select_lacks_by_their_bits(dtype, 
     assert padded.dtype == dtype and torch.equal(padded.view(signed), torch.where(valid, bits, 0))
 
 
+def test_unpad_pad_round_trip_a_batch_without_padding():
+    """Every row valid: num_tokens is batch * sequence, and pad keeps the last token."""
+    metadata = packfn.varlen_metadata(torch.tensor([[1, 1, 2, 2]]))
+    values = torch.arange(1.0, 5.0).reshape(1, 4)
+    assert packfn.pad(packfn.unpad(values, metadata), metadata).tolist() == [[1.0, 2.0, 3.0, 4.0]]
+
+
 def test_pad_writes_zeros_over_a_nan_tail():
     metadata = packfn.varlen_metadata(EXAMPLE)
     values = torch.randn(12, 3, dtype=torch.float64)
