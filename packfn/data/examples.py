@@ -127,7 +127,8 @@ class Examples:
     def __init__(self, examples: object) -> None:
         self.examples = examples
         self.arrow = None
-        if hasattr(examples, "column_names") and hasattr(examples, "with_format"):  # an HF datasets.Dataset
+        # An HF datasets.Dataset (a streaming IterableDataset has no length: it is a re-iterable, below).
+        if hasattr(examples, "column_names") and hasattr(examples, "with_format") and hasattr(examples, "__len__"):
             columns = list(examples.column_names)
             if "input_ids" not in columns:
                 raise ValueError(f"the dataset has no 'input_ids' column (columns: {columns})")
@@ -167,7 +168,11 @@ class Examples:
         table = self.arrow[documents]
         columns = {name: table.column(name).combine_chunks() for name in table.column_names}
         for name, column in columns.items():
-            if not (pa.types.is_list(column.type) or pa.types.is_large_list(column.type)):
+            if not (
+                pa.types.is_list(column.type)
+                or pa.types.is_large_list(column.type)
+                or pa.types.is_fixed_size_list(column.type)  # Sequence(..., length=N)
+            ):
                 raise TypeError(f"column {name!r} must hold lists of token ids, got {column.type}")
             value_type = column.type.value_type
             if name != "loss_mask" and not pa.types.is_integer(value_type):

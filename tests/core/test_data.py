@@ -245,6 +245,19 @@ def test_an_hf_dataset_packs_as_the_same_examples_in_a_list(documents, with_labe
     assert_same_batches(list(PackedDataset(examples, **kwargs)), from_hf)
 
 
+def test_a_streaming_hf_dataset_and_a_fixed_length_column_pack_as_the_same_examples_in_a_list():
+    datasets = pytest.importorskip("datasets")
+    documents = [[1, 2, 3], [4, 5, 6], [7, 8, 9], [10, 11, 12]]
+    examples = [{"input_ids": document} for document in documents]
+    kwargs = {"batch": 1, "sequence": 8, "max_documents": 3, "window": 4}
+    streaming = datasets.Dataset.from_dict({"input_ids": documents}).to_iterable_dataset()  # no length: one pass
+    assert_same_batches(list(PackedDataset(streaming, **kwargs)), list(PackedDataset(examples, **kwargs)))
+    features = datasets.Features({"input_ids": datasets.Sequence(datasets.Value("int32"), length=3)})
+    fixed = datasets.Dataset.from_dict({"input_ids": documents}, features=features)
+    shuffled = {**kwargs, "shuffle": True, "seed": 1}
+    assert_same_batches(list(PackedDataset(fixed, **shuffled)), list(PackedDataset(examples, **shuffled)))
+
+
 # ------------------------------------------------------------------ bad input
 
 
