@@ -200,7 +200,10 @@ class PackedBatch:
                 raise ValueError(
                     f"document {document} was packed with {total} tokens, got tokens of shape {tuple(values.shape)}"
                 )
-            slices.append((document, values[offset : offset + length]))
+            # The ints of a list that holds floats too: read with them as floats, they are checked on their own.
+            mixed = isinstance(entry, (list, tuple)) and (values.is_floating_point() or values.is_complex())
+            integers = [value for value in entry[offset : offset + length] if type(value) is int] if mixed else []
+            slices.append((document, values[offset : offset + length], integers))
             defaults.append(default)
         if dtype is None:
             try:
@@ -211,14 +214,16 @@ class PackedBatch:
             raise TypeError(f"dtype must be a torch.dtype or None, got {type(dtype).__name__}")
         check_gatherable(dtype, "dtype")
         padding = check_scalar_fits(padding, dtype, "padding")
-        for (document, values), default in zip(slices, defaults, strict=True):
+        for (document, values, integers), default in zip(slices, defaults, strict=True):
             _check_holds(values, dtype, document, default)
+            if integers and (dtype.is_floating_point or dtype.is_complex):
+                _check_integers(integers, dtype, document)
         out = torch.full((self.batch * self.sequence,), padding, dtype=dtype)
         if slices:
             out.index_copy_(
                 0,
                 token_positions(pieces.row * self.sequence + pieces.column, pieces.length),
-                torch.cat([values.to(dtype) for _, values in slices]),
+                torch.cat([values.to(dtype) for _, values, _ in slices]),
             )
         return out.view(self.batch, self.sequence)
 
@@ -265,6 +270,17 @@ def _document_values(entry: object, document: int) -> tuple[torch.Tensor, torch.
     return values, values.dtype
 
 
+def _check_integers(integers: list[int], dtype: torch.dtype, document: int) -> None:
+    """Raise ``ValueError`` where a floating ``dtype`` would round one of a list's ints (read among floats)."""
+    for value in integers:
+        try:
+            check_scalar_fits(value, dtype, "value")
+        except ValueError:
+            raise ValueError(
+                f"document {document} holds integers {dtype} cannot hold exactly (it would round them)"
+            ) from None
+
+
 def _check_holds(values: torch.Tensor, dtype: torch.dtype, document: int, default: torch.dtype) -> None:
     """Raise ``ValueError`` where ``values`` would not survive a cast to ``dtype`` (truncated, wrapped, rounded).
 
@@ -283,7 +299,8 @@ def _check_holds(values: torch.Tensor, dtype: torch.dtype, document: int, defaul
         if bool((torch.isinf(cast) & ~torch.isinf(values)).any()):
             limit = torch.finfo(dtype).max
             raise ValueError(f"document {document} holds values outside [{-limit}, {limit}], which {dtype} cannot hold")
-        if not (values.is_floating_point() or values.is_complex()) and not torch.equal(cast.to(values.dtype), values):
+        back = (cast.real if cast.is_complex() else cast).to(values.dtype)  # an integer's imaginary part is 0
+        if not (values.is_floating_point() or values.is_complex()) and not torch.equal(back, values):
             raise ValueError(f"document {document} holds integers {dtype} cannot hold exactly (it would round them)")
         return  # a float may round
     if values.is_floating_point() or values.is_complex():

@@ -7,6 +7,7 @@ column; none is written wrapped, truncated or as a sentinel.
 from __future__ import annotations
 
 import contextlib
+import warnings
 
 import numpy
 import pytest
@@ -121,6 +122,8 @@ def test_gather_padding_the_dtype_holds_is_written_as_it_is():
         (torch.tensor([1e6, 1.0, 2.0], dtype=torch.float64), torch.float16, "document 0 holds values outside"),
         (torch.tensor([1e39, 1.0, 2.0], dtype=torch.float64), torch.float32, "document 0 holds values outside"),
         ([2**64 - 1, 1, 2], None, "document 0's tokens are not a tensor of numbers torch holds"),
+        ([2**24 + 1, 0.5, 2], None, "document 0 holds integers torch.float32 cannot hold exactly"),  # among floats
+        ([2**53 + 1, 0.5, 2], torch.float64, "document 0 holds integers torch.float64 cannot hold exactly"),
     ],
 )
 def test_gather_into_a_floating_dtype_refuses_values_it_would_overflow_or_round(tokens, dtype, message):
@@ -150,6 +153,23 @@ def test_gather_of_an_empty_batch_is_int64_unless_told():
     packed = packfn.pack_documents([], sequence=4, batch=1, alignment=1, max_documents=2)
     assert packed.gather([]).dtype == torch.int64 and packed.gather([]).tolist() == [[0, 0, 0, 0]]
     assert packed.gather([], dtype=torch.float16, padding=-1).tolist() == [[-1, -1, -1, -1]]
+
+
+def test_gather_writes_the_ints_of_a_list_of_floats_that_the_dtype_holds():
+    packed = _packed()
+    assert packed.gather([[2**24, 0.5, 3], [4, 5]])[0, :3].tolist() == [2**24, 0.5, 3]
+    assert packed.gather([[2**70, 0.5, 3], [4, 5]], dtype=torch.float64)[0, 0].item() == 2**70  # past int64, held
+    first, second = packfn.pack_stream([3], batch=1, sequence=2, split=True, alignment=1, max_documents=1)
+    assert first.gather([[0.5, 1, 2**24 + 1]]).tolist() == [[0.5, 1.0]]  # only this batch's piece is written
+    with pytest.raises(ValueError, match="document 0 holds integers torch.float32 cannot hold exactly"):
+        second.gather([[0.5, 1, 2**24 + 1]])
+
+
+def test_gather_of_complex_and_integer_documents_warns_of_nothing():
+    packed = _packed()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert packed.gather([[1 + 1j, 2, 3], [4, 5]])[1, :2].tolist() == [4, 5]
 
 
 def test_gather_reads_a_list_of_floats_in_double_precision():
