@@ -365,7 +365,9 @@ class PackedCollator:
     Each feature is one row: ``input_ids`` (a list or a 1-d tensor), optional
     ``labels`` (default: the input ids), and optionally the lengths of the
     documents packed into it, ``seq_lengths`` (TRL's ``pack_dataset``) or
-    ``seq_lens``; without them the row is one document. Rows are padded to
+    ``seq_lens``; without them the row is one document. An
+    ``attention_mask`` may come along if it marks no padding (a tokenizer's
+    all-ones mask): the rows must be unpadded. Rows are padded to
     ``sequence``, so every batch has the same shape: unlike
     ``DataCollatorWithFlattening``, whose ``[1, T]`` changes with every batch,
     one compiled graph serves every step. Pair it with a model patched by
@@ -383,7 +385,8 @@ class PackedCollator:
 
     Raises:
         ValueError / TypeError: no features, a feature without ``input_ids``,
-            ids that are not 1-D integers, labels of another length, a row
+            ids that are not 1-D integers, labels of another length, an
+            ``attention_mask`` that marks padding, a row
             longer than ``sequence``, or lengths that are negative or do not
             add up to its tokens.
     """
@@ -411,6 +414,13 @@ class PackedCollator:
                 if targets.numel() != count:
                     raise ValueError(f"feature {row}: its {targets.numel()} labels do not match its {count} tokens")
                 given.append((row, targets))
+            if feature.get("attention_mask") is not None:
+                mask = token_tensor(feature["attention_mask"], row, "attention_mask", kind="feature")
+                if mask.numel() != count or not bool(mask.all()):
+                    raise ValueError(
+                        f"feature {row}: its attention_mask marks padding or does not match its {count} tokens: "
+                        "PackedCollator takes unpadded rows (it pads them itself)"
+                    )
             lengths = feature.get("seq_lengths", feature.get("seq_lens", [count]))
             lengths = token_tensor(lengths, row, "seq_lengths", kind="feature")
             if bool((lengths < 0).any()):

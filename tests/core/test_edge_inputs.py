@@ -161,7 +161,7 @@ def test_gather_writes_the_ints_of_a_list_of_floats_that_the_dtype_holds():
     assert packed.gather([[2**70, 0.5, 3], [4, 5]], dtype=torch.float64)[0, 0].item() == 2**70  # past int64, held
     first, second = packfn.pack_stream([3], batch=1, sequence=2, split=True, alignment=1, max_documents=1)
     assert first.gather([[0.5, 1, 2**24 + 1]]).tolist() == [[0.5, 1.0]]  # only this batch's piece is written
-    with pytest.raises(ValueError, match="document 0 holds integers torch.float32 cannot hold exactly"):
+    with pytest.raises(ValueError, match=r"document 0 holds integers torch\.float32 cannot hold exactly"):
         second.gather([[0.5, 1, 2**24 + 1]])
 
 

@@ -92,3 +92,14 @@ def test_collator_and_model_inputs_ignore_the_same_first_tokens():
     assert batch["labels"].tolist() == [[-100, 6, -100, 8, 9, -100], [-100, 4, 4, 4, -100, -100]]
     inputs = hf_model_inputs(batch["document_ids"], _config("sdpa"), labels=batch["input_ids"])
     assert torch.equal(inputs["labels"], batch["labels"])
+
+
+def test_collator_refuses_a_feature_whose_attention_mask_marks_padding():
+    """A tokenizer's padded row would put its pad tokens into a document, as tokens and as targets."""
+    collator = PackedCollator(6)
+    with pytest.raises(ValueError, match="feature 0: its attention_mask marks padding"):
+        collator([{"input_ids": [5, 6, 0, 0], "attention_mask": [1, 1, 0, 0]}])
+    with pytest.raises(ValueError, match="does not match its 2 tokens"):
+        collator([{"input_ids": [5, 6], "attention_mask": [1, 1, 1]}])
+    batch = collator([{"input_ids": [5, 6], "attention_mask": [1, 1]}])  # an all-ones mask is no padding
+    assert batch["document_ids"].tolist() == [[1, 1, 0, 0, 0, 0]]
