@@ -351,8 +351,9 @@ def flatten_packed_sequence_metadata(
 
     Raises:
         ValueError: inconsistent layouts or boundaries, with upstream's
-            messages. Under ``torch.compile`` the checks of values are
-            sync-free asserts with the same messages.
+            messages; a flat total of valid tokens that ``cu_seqlens``' dtype
+            cannot hold (upstream wraps it). Under ``torch.compile`` the
+            checks of values are sync-free asserts with the same messages.
     """
     check_integer_tensor(packed_token_indices, "packed_token_indices")
     check_integer_tensor(cu_seqlens, "cu_seqlens")
@@ -370,13 +371,30 @@ def flatten_packed_sequence_metadata(
     if packed_token_indices.numel() == 0:
         raise ValueError(_NO_DOCUMENT.message)
     rules = (*_FLATTEN_RULES, _NO_DOCUMENT)
+    # Upstream writes the flat boundaries in cu_seqlens' dtype, where a narrow one wraps the running total
+    # ([0, 100, -56] in int8): refused instead (the core's flatten_metadata widens to int32).
+    limit = torch.iinfo(cu_seqlens.dtype).max
+    past = Rule(f"the flat total of the valid tokens is past {limit}, which cu_seqlens' dtype {cu_seqlens.dtype} holds")
     if torch.compiler.is_compiling():
         flat = _ops.flatten_metadata_op(packed_token_indices, cu_seqlens)
-        flags = torch.cat([flat.broken, (flat.num_documents == 0).reshape(1)])
+        flags = torch.cat([flat.broken, (flat.num_documents == 0).reshape(1), (flat.num_tokens > limit).reshape(1)])
         tokens, documents = checked_ints(
-            [flat.num_tokens, flat.num_documents], [packed_token_indices.numel(), cu_seqlens.numel()], flags, rules
+            [flat.num_tokens, flat.num_documents],
+            [packed_token_indices.numel(), cu_seqlens.numel()],
+            flags,
+            (*rules, past),
         )
         return flat.indices[:tokens], flat.cu_seqlens[: documents + 1]
+    indices, flat_cu_seqlens = _eager_flatten(packed_token_indices, cu_seqlens, rules)
+    if indices.numel() > limit:
+        raise ValueError(past.message)
+    return indices, flat_cu_seqlens
+
+
+def _eager_flatten(
+    packed_token_indices: torch.Tensor, cu_seqlens: torch.Tensor, rules: tuple[Rule, ...]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The batch-major case of :func:`flatten_packed_sequence_metadata` in eager: exact on the CPU, else trimmed."""
     if exact_on_cpu(packed_token_indices, cu_seqlens):
         exact = _exact_flatten(packed_token_indices, cu_seqlens, rules)
         if exact is not None:

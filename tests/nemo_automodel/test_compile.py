@@ -149,6 +149,17 @@ def test_compiled_flatten_packed_sequence_metadata_raises_upstreams_message(
         _compiled_flatten(indices, cu_seqlens, batch, sequence)
 
 
+def test_compiled_flatten_refuses_a_flat_total_the_boundaries_dtype_would_wrap():
+    """As in eager (tests/nemo_automodel/test_metadata.py): 128 int8 boundaries' total is one past 127."""
+    indices, cu_seqlens = torch.arange(64).repeat(2, 1), torch.tensor([[0, 64], [0, 64]], dtype=torch.int8)
+    with pytest.raises(RuntimeError, match="the flat total of the valid tokens is past 127"):
+        _compiled_flatten(indices, cu_seqlens, 2, 64)
+    indices[1, -1] = -1
+    assert _compiled_flatten(indices, cu_seqlens - torch.tensor([[0, 0], [0, 1]], dtype=torch.int8), 2, 64)[
+        1
+    ].tolist() == [0, 64, 127]
+
+
 # ------------------------------------------------------ issue 8, case 5: narrow mask dtypes
 
 _DROP_INS = ("get_seqlens_in_batch", "get_unpad_data", "build_packed_sequence_metadata")

@@ -139,6 +139,28 @@ def test_flatten_packed_sequence_metadata_matches_upstream_on_batch_metadata(exa
     assert torch.equal(ours[0], indices) and torch.equal(ours[1], cu_seqlens)
 
 
+@pytest.mark.parametrize("exact", [True, False], ids=["exact_cpu_path", "static_path"])
+@pytest.mark.parametrize(("dtype", "tokens"), [(torch.int8, 64), (torch.uint8, 128), (torch.int16, 16384)])
+def test_flatten_refuses_a_flat_total_the_boundaries_dtype_would_wrap(exact, dtype, tokens):
+    """Two rows whose total is one past the dtype's maximum: upstream wraps the last boundary; packfn names it."""
+    indices = torch.arange(tokens).repeat(2, 1)
+    indices[1, -1] = -1  # one padding token: the total is 2 * tokens - 1, the dtype's maximum
+    keywords = {"batch_size": 2, "sequence_length": tokens}
+    fits = torch.tensor([[0, tokens], [0, tokens - 1]], dtype=dtype)
+    with contextlib.nullcontext() if exact else static_path_on_cpu():
+        ours = drop_ins.flatten_packed_sequence_metadata(indices, fits, **keywords)
+    assert_same(ours, upstream_models.flatten_packed_sequence_metadata(indices, fits, **keywords))
+    indices[1, -1] = tokens - 1
+    past = torch.tensor([[0, tokens], [0, tokens]], dtype=dtype)
+    wrapped = upstream_models.flatten_packed_sequence_metadata(indices, past, **keywords)[1]
+    assert int(wrapped[-1]) != 2 * tokens
+    with (
+        contextlib.nullcontext() if exact else static_path_on_cpu(),
+        pytest.raises(ValueError, match=f"the flat total of the valid tokens is past {2 * tokens - 1}"),
+    ):
+        drop_ins.flatten_packed_sequence_metadata(indices, past, **keywords)
+
+
 @SETTINGS
 @given(packing_masks(max_batch=3, max_sequence=12))
 def test_flatten_packed_sequence_metadata_accepts_flat_metadata(mask):
