@@ -182,6 +182,13 @@ def document_block_mask(
         others), the same for full blocks, and ``mask_mod`` from
         :func:`document_mask_mod`.
 
+    ``torch.export`` with a ``Dim`` on the sequence takes it only as a
+    multiple of ``block_size`` of at least two blocks
+    (``dynamic_shapes={1: block_size * Dim("blocks", min=2)}``): for any
+    other length torch's ``BlockMask.from_kv_blocks`` guards on
+    ``ceil(S / block_size) ** 2 != ceil(S / block_size)``, which the
+    solver cannot prove. ``torch.compile`` with dynamic shapes has no such limit.
+
     Raises:
         ValueError / TypeError: as :func:`block_causal_mask`, or a
             non-positive ``block_size`` / ``window``.
