@@ -187,7 +187,7 @@ def document_block_mask(
     (``dynamic_shapes={1: block_size * Dim("blocks", min=2)}``): for any
     other length torch's ``BlockMask.from_kv_blocks`` guards on
     ``ceil(S / block_size) ** 2 != ceil(S / block_size)``, which the
-    solver cannot prove. ``torch.compile`` with dynamic shapes has no such limit.
+    solver cannot prove.
 
     Raises:
         ValueError / TypeError: as :func:`block_causal_mask`, or a
