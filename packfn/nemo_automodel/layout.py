@@ -9,6 +9,7 @@ to an unbacked size, never a graph break. :class:`packfn.PackedSequenceLayout`
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Sequence
 
 import torch
@@ -62,6 +63,7 @@ def packed_layout(
             sync-free asserts (``RuntimeError``) with the same messages.
     """
     refuse_jit_trace()
+    alignment, minimum_length = _python_int(alignment), _python_int(minimum_length)
     if alignment < 1:
         raise ValueError("Packed alignment must be positive")
     check_tensor(seq_lens, "seq_lens")
@@ -134,6 +136,13 @@ def _core_absent(lengths: torch.Tensor, spans: torch.Tensor) -> tuple[torch.Tens
     if spans is lengths:
         return core_lengths, core_lengths
     return core_lengths, spans.masked_fill(absent & (spans == ABSENT), 0)
+
+
+def _python_int(value: object) -> object:
+    """A NumPy (or other non-bool) integer as the Python int upstream's arithmetic takes it; anything else as it is."""
+    if isinstance(value, numbers.Integral) and not isinstance(value, (bool, int, torch.SymInt)):
+        return int(value)
+    return value
 
 
 def _check_input_shape(input_shape: Sequence[int]) -> tuple[int, int]:

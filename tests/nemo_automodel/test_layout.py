@@ -6,6 +6,7 @@ import functools
 import re
 from unittest import mock
 
+import numpy
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -122,6 +123,8 @@ ARGUMENT_ERRORS = {
     "scalar lengths": (torch.tensor(3), layout_kwargs(None, (1, 9), 4)),
     "one-dimensional lengths for batch two": (LENGTHS[0], layout_kwargs(None, (2, 9), 4)),
     "one-dimensional spans for batch one": (LENGTHS[:1], layout_kwargs(LENGTHS[0] + 1, (1, 12), 4)),
+    "numpy integers": (LENGTHS[1:].abs(), layout_kwargs(None, (1, 9), numpy.int64(4), numpy.int32(13))),
+    "zero numpy alignment": (LENGTHS, layout_kwargs(None, (2, 9), numpy.int64(0))),
 }
 
 
