@@ -88,6 +88,24 @@ def _fresh_state() -> dict[str, Any]:
     return {"position": 0, "emitted": 0, "finished": False, "carry": _carry_state(empty)}
 
 
+def _check_state(state: Mapping[str, Any]) -> None:
+    """Raise ``ValueError`` naming the first entry of a state_dict that is missing or out of range (an edited one)."""
+    for key, kind, name in (
+        ("settings", Mapping, "a mapping"),
+        ("epoch", int, "an int"),
+        ("shards", Mapping, "a mapping"),
+    ):
+        if not isinstance(state.get(key), kind) or isinstance(state.get(key), bool):
+            raise ValueError(f"the state_dict's {key!r} is missing or not {name}")
+    if state["epoch"] < 0:
+        raise ValueError(f"the state_dict's 'epoch' is negative: {state['epoch']}")
+    for shard, progress in state["shards"].items():
+        for key in ("position", "emitted"):
+            value = progress.get(key) if isinstance(progress, Mapping) else None
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"shard {shard!r} of the state_dict has no count {key!r} of at least 0: {value!r}")
+
+
 def _carry_state(carry: Carry) -> dict[str, torch.Tensor]:
     return {
         "document": carry.items.document,
@@ -280,11 +298,13 @@ class PackedDataset(IterableDataset):
         from. Examples with the same lengths are not told apart.
 
         Raises:
-            ValueError: a state of another version, or saved by a dataset
-                with other settings (each differing setting is named).
+            ValueError: a state of another version, saved by a dataset
+                with other settings (each differing setting is named), or
+                with an entry missing or out of range (a negative count).
         """
         if not isinstance(state, Mapping) or state.get("version") != _STATE_VERSION:
             raise ValueError(f"not a PackedDataset state_dict (version {_STATE_VERSION})")
+        _check_state(state)
         differences = [
             f"{name}={state['settings'].get(name)!r} there, {value!r} here"
             for name, value in self.settings().items()

@@ -363,11 +363,14 @@ def loss_mask_from_trl(dataset: Any, *, completion_only_loss: bool = True) -> An
         The dataset with ``loss_mask``.
 
     Raises:
+        TypeError: ``dataset`` is not a ``datasets.Dataset``.
         ValueError: a mask whose length is not its example's ``input_ids``'.
     """
     import pyarrow as pa
     import pyarrow.compute as pc
 
+    if not (hasattr(dataset, "column_names") and hasattr(dataset, "with_format") and hasattr(dataset, "__len__")):
+        raise TypeError(f"dataset must be a datasets.Dataset (TRL's tokenized dataset), got {type(dataset).__name__}")
     columns = dataset.column_names
     trl = [name for name in ("completion_mask", "assistant_masks") if name in columns]
     masks = [name for name in trl if completion_only_loss or name != "completion_mask"]

@@ -381,6 +381,32 @@ def _state_after(examples, batches: int) -> dict:
     return dataset.state_dict()
 
 
+def _edited(state: dict, change) -> dict:
+    state = {**state, "shards": {key: dict(progress) for key, progress in state["shards"].items()}}
+    change(state)
+    return state
+
+
+EDITS = {
+    "no epoch": (lambda state: state.pop("epoch"), "the state_dict's 'epoch' is missing or not an int"),
+    "negative epoch": (lambda state: state.update(epoch=-1), "the state_dict's 'epoch' is negative: -1"),
+    "negative emitted": (
+        lambda state: next(iter(state["shards"].values())).update(emitted=-3),
+        "has no count 'emitted' of at least 0: -3",
+    ),
+    "no position": (lambda state: next(iter(state["shards"].values())).pop("position"), "no count 'position'"),
+    "shards a list": (lambda state: state.update(shards=[]), "the state_dict's 'shards' is missing or not a mapping"),
+}
+
+
+@pytest.mark.parametrize("edit", list(EDITS))
+def test_an_edited_state_dict_raises_naming_the_entry(edit):
+    change, message = EDITS[edit]
+    state = _edited(_state_after(_documents(LENGTHS), 2), change)
+    with pytest.raises(ValueError, match=message):
+        PackedDataset(_documents(LENGTHS), **RESUME).load_state_dict(state)
+
+
 KINDS = {
     "list": lambda documents: documents,
     "datasets": lambda documents: pytest.importorskip("datasets").Dataset.from_dict({"input_ids": documents}),

@@ -73,6 +73,8 @@ def test_loss_mask_is_the_product_of_trls_masks():
     wrong = examples.remove_columns("assistant_masks").map(lambda _: {"completion_mask": [1]})
     with pytest.raises(ValueError, match="completion_mask must have as many entries as input_ids"):
         loss_mask_from_trl(wrong)
+    with pytest.raises(TypeError, match=r"dataset must be a datasets\.Dataset .*, got list"):
+        loss_mask_from_trl([{"input_ids": [5, 6], "completion_mask": [0, 1]}])
 
 
 def test_sft_trainer_trains_on_packed_batches_with_the_per_document_completion_loss(tmp_path):
