@@ -11,7 +11,16 @@ import torch
 from packfn._checks import check_fits_int64
 from packfn.formats import IGNORE_INDEX
 
-__all__ = ["IGNORE_INDEX", "Examples", "Tokens", "check_lengths", "concatenate", "decode_example", "token_tensor"]
+__all__ = [
+    "IGNORE_INDEX",
+    "Examples",
+    "Tokens",
+    "check_lengths",
+    "concatenate",
+    "decode_example",
+    "is_hf_dataset",
+    "token_tensor",
+]
 
 
 class Tokens(NamedTuple):
@@ -121,14 +130,22 @@ def concatenate(
     return Tokens(torch.tensor(documents, dtype=torch.int64), length, tokens, labels)
 
 
+def is_hf_dataset(value: object) -> bool:
+    """Whether ``value`` is an HF ``datasets.Dataset``, by its interface.
+
+    A streaming ``IterableDataset`` has no length and is not one: it is read
+    as any re-iterable is.
+    """
+    return hasattr(value, "column_names") and hasattr(value, "with_format") and hasattr(value, "__len__")
+
+
 class Examples:
     """The user's examples behind one interface: indexed reads (lists, HF datasets) or one pass (other iterables)."""
 
     def __init__(self, examples: object) -> None:
         self.examples = examples
         self.arrow = None
-        # An HF datasets.Dataset (a streaming IterableDataset has no length: it is a re-iterable, below).
-        if hasattr(examples, "column_names") and hasattr(examples, "with_format") and hasattr(examples, "__len__"):
+        if is_hf_dataset(examples):
             columns = list(examples.column_names)
             if "input_ids" not in columns:
                 raise ValueError(f"the dataset has no 'input_ids' column (columns: {columns})")

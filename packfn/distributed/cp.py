@@ -166,7 +166,7 @@ def shard_packed_batch(
             ``"contiguous"``, of ``2 * world * alignment`` for the balanced
             shards (NOTE [Why the budget is a multiple of world * alignment]).
         alignment: Alignment of document starts (the compression group).
-        padding_token_id: Token written at padding, a value `input_ids`' dtype holds.
+        padding_token_id: Token written at padding, a value ``input_ids``' dtype holds.
         balance: ``"rotated"`` (default): per-document head-tail chunks, each
             document's padding before its tokens and its chunk pair rotated
             from one document to the next (NOTE [Padding first, pairs

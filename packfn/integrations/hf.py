@@ -415,8 +415,11 @@ class PackedCollator:
                     raise ValueError(f"feature {row}: its {targets.numel()} labels do not match its {count} tokens")
                 given.append((row, targets))
             if feature.get("attention_mask") is not None:
-                mask = token_tensor(feature["attention_mask"], row, "attention_mask", kind="feature")
-                if mask.numel() != count or not bool(mask.all()):
+                try:
+                    mask = torch.as_tensor(feature["attention_mask"])  # ints or bools
+                except (TypeError, ValueError, RuntimeError):
+                    raise TypeError(f"feature {row}: attention_mask must be a sequence of 0 / 1") from None
+                if mask.shape != (count,) or not bool((mask != 0).all()):
                     raise ValueError(
                         f"feature {row}: its attention_mask marks padding or does not match its {count} tokens: "
                         "PackedCollator takes unpadded rows (it pads them itself)"

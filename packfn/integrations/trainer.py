@@ -45,6 +45,7 @@ from transformers import Trainer, TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from packfn.data import PackedDataset
+from packfn.data.examples import is_hf_dataset
 from packfn.data.stats import STATS_FIELDS, stats_dict
 from packfn.integrations.hf import PackedForward, apply_packfn
 
@@ -369,7 +370,7 @@ def loss_mask_from_trl(dataset: Any, *, completion_only_loss: bool = True) -> An
     import pyarrow as pa
     import pyarrow.compute as pc
 
-    if not (hasattr(dataset, "column_names") and hasattr(dataset, "with_format") and hasattr(dataset, "__len__")):
+    if not is_hf_dataset(dataset):
         raise TypeError(f"dataset must be a datasets.Dataset (TRL's tokenized dataset), got {type(dataset).__name__}")
     columns = dataset.column_names
     trl = [name for name in ("completion_mask", "assistant_masks") if name in columns]

@@ -103,3 +103,9 @@ def test_collator_refuses_a_feature_whose_attention_mask_marks_padding():
         collator([{"input_ids": [5, 6], "attention_mask": [1, 1, 1]}])
     batch = collator([{"input_ids": [5, 6], "attention_mask": [1, 1]}])  # an all-ones mask is no padding
     assert batch["document_ids"].tolist() == [[1, 1, 0, 0, 0, 0]]
+    for mask in ([True, True], torch.ones(2, dtype=torch.bool), torch.ones(2, dtype=torch.int64)):
+        assert collator([{"input_ids": [5, 6], "attention_mask": mask}])["document_ids"].tolist() == [
+            [1, 1, 0, 0, 0, 0]
+        ]
+    with pytest.raises(ValueError, match="marks padding"):
+        collator([{"input_ids": [5, 6], "attention_mask": torch.tensor([True, False])}])
