@@ -54,8 +54,8 @@ def physical_varlen_metadata(document_ids: torch.Tensor) -> PhysicalVarlenMetada
 
     Args:
         document_ids: ``[batch, sequence]`` integer or bool document ids, of
-            any integer dtype (uint16 and uint32 are widened, uint64 read
-            by its bits: only equality matters).
+            any integer dtype (uint16, uint32 and uint64 are read by their
+            bits: only equality matters).
 
     Returns:
         :class:`PhysicalVarlenMetadata`. For the example mask:
@@ -71,21 +71,26 @@ def physical_varlen_metadata(document_ids: torch.Tensor) -> PhysicalVarlenMetada
     return PhysicalVarlenMetadata(*_ops.physical_varlen_metadata_op(ids), document_ids.shape[1])
 
 
+_SIGNED = {torch.uint16: torch.int16, torch.uint32: torch.int32, torch.uint64: torch.int64}
+"""Unsigned dtypes most of torch's kernels lack, and the signed ones of their width that carry their bits."""
+
+
+def _bits(values: torch.Tensor) -> torch.Tensor:
+    """``values`` of a dtype in :data:`_SIGNED` viewed as its signed twin (same bits, same equalities); else as is."""
+    return values.view(_SIGNED[values.dtype]) if values.dtype in _SIGNED else values
+
+
 def physical_ids(document_ids: object, name: str) -> torch.Tensor:
     """Checked ``[batch, sequence]`` ids of any integer dtype or bool, in one the ops take, with the same runs.
 
     Physical segments are runs of equal ids, so any integer ids do, as
-    upstream's: uint16 and uint32 widen exactly, and uint64 is read by its
-    bits as int64.
+    upstream's: uint16, uint32 and uint64 are read by their bits as the
+    signed dtype of their width.
     """
     check_tensor(document_ids, name)
     if document_ids.dtype.is_floating_point or document_ids.dtype.is_complex:
         raise ValueError(f"{name} must hold integer or bool document ids (any integer dtype), got {document_ids.dtype}")
-    if document_ids.dtype == torch.uint64:
-        document_ids = document_ids.view(torch.int64)
-    elif document_ids.dtype in (torch.uint16, torch.uint32):
-        document_ids = document_ids.to(torch.int64)
-    return check_mask(document_ids, name=name)
+    return check_mask(_bits(document_ids), name=name)
 
 
 def flash_kwargs(cu_seqlens: torch.Tensor, max_length) -> dict[str, torch.Tensor | int]:
@@ -132,10 +137,6 @@ def _check_values(values: object, minimum_rank: int) -> None:
         raise ValueError(f"values must have shape {shape}, got {tuple(values.shape)}")
 
 
-_SIGNED = {torch.uint16: torch.int16, torch.uint32: torch.int32, torch.uint64: torch.int64}
-"""Unsigned dtypes torch's ``index_select`` lacks, and the signed ones of their width that carry their bits."""
-
-
 def unpad(values: torch.Tensor, metadata: VarlenMetadata) -> torch.Tensor:
     """Move activations into varlen token order: valid tokens first, then zeros.
 
@@ -165,9 +166,8 @@ def unpad(values: torch.Tensor, metadata: VarlenMetadata) -> torch.Tensor:
             f"values {tuple(values.shape)} do not match the mask's [batch, sequence] = "
             f"[{indices.numel() // sequence}, {sequence}]"
         )
-    if values.dtype in _SIGNED:  # moved by their bits (zero is zero in both)
-        return _ops.unpad_op(values.view(_SIGNED[values.dtype]), indices, num_tokens).view(values.dtype)
-    return _ops.unpad_op(values, indices, num_tokens)
+    unpadded = _ops.unpad_op(_bits(values), indices, num_tokens)  # index_select lacks uint16/32/64; zero is zero
+    return unpadded.view(values.dtype) if unpadded.dtype != values.dtype else unpadded
 
 
 def pad(values: torch.Tensor, metadata: VarlenMetadata) -> torch.Tensor:
@@ -194,9 +194,6 @@ def pad(values: torch.Tensor, metadata: VarlenMetadata) -> torch.Tensor:
     check_same_device(values, "values", indices, "metadata")
     if values.shape[0] != indices.numel():
         raise ValueError(f"values {tuple(values.shape)} must have batch * sequence = {indices.numel()} rows")
-    signed = values.dtype in _SIGNED  # moved by their bits, as in unpad
-    padded, broken = _ops.pad_op(
-        values.view(_SIGNED[values.dtype]) if signed else values, indices, num_tokens, sequence
-    )
+    padded, broken = _ops.pad_op(_bits(values), indices, num_tokens, sequence)  # by their bits, as in unpad
     assert_rules(broken, _ops.PAD_RULES)
-    return padded.view(values.dtype) if signed else padded
+    return padded.view(values.dtype) if padded.dtype != values.dtype else padded

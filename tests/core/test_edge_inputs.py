@@ -306,22 +306,24 @@ def test_a_shard_padding_token_id_the_tokens_cannot_hold_raises_naming_it(paddin
 # ------------------------------------------------------------------ int arguments past int64
 
 PAST = 2**63
-PAST_INT64 = {
-    "max_documents": lambda: packfn.varlen_metadata(IDS, max_documents=PAST),
-    "alignment": lambda: packfn.aligned_layout(torch.tensor([[3]]), sequence_length=4, alignment=PAST, budget=8),
-    "sequence": lambda: packfn.document_ids_from_cu_seqlens(torch.tensor([0, 2]), PAST),
-    "block_size": lambda: packfn.document_block_mask(IDS, block_size=PAST),
-    "sequence ": lambda: packfn.pack_documents([3], sequence=PAST, alignment=1, max_documents=1),
-    "sequence  ": lambda: packfn.document_ids_from_seq_lens(torch.tensor([[2]]), PAST),
+PAST_INT64 = {  # a case: (the argument named, the call)
+    "varlen_metadata": ("max_documents", lambda: packfn.varlen_metadata(IDS, max_documents=PAST)),
+    "aligned_layout": (
+        "alignment",
+        lambda: packfn.aligned_layout(torch.tensor([[3]]), sequence_length=4, alignment=PAST, budget=8),
+    ),
+    "cu_seqlens": ("sequence", lambda: packfn.document_ids_from_cu_seqlens(torch.tensor([0, 2]), PAST)),
+    "document_block_mask": ("block_size", lambda: packfn.document_block_mask(IDS, block_size=PAST)),
+    "pack_documents": ("sequence", lambda: packfn.pack_documents([3], sequence=PAST, alignment=1, max_documents=1)),
+    "seq_lens": ("sequence", lambda: packfn.document_ids_from_seq_lens(torch.tensor([[2]]), PAST)),
 }
 
 
-@pytest.mark.parametrize("name", list(PAST_INT64))
-def test_an_int_argument_past_int64_raises_naming_it(name):
-    with pytest.raises(
-        ValueError, match=f"^{name.strip()}=9223372036854775808 is outside .*, which torch.int64 cannot"
-    ):
-        PAST_INT64[name]()
+@pytest.mark.parametrize("case", list(PAST_INT64))
+def test_an_int_argument_past_int64_raises_naming_it(case):
+    name, call = PAST_INT64[case]
+    with pytest.raises(ValueError, match=f"^{name}=9223372036854775808 is outside .*, which torch.int64 cannot"):
+        call()
 
 
 def test_a_safe_budget_past_int64_raises_and_one_within_is_returned():

@@ -75,7 +75,7 @@ def test_physical_segments_accept_any_integer_ids_like_upstream(mask):
     "dtype", [torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.uint16, torch.uint32, torch.uint64]
 )
 def test_physical_segments_take_every_integer_dtype_like_upstream(dtype):
-    """uint16/32/64 included (torch's ops lack them, so packfn widens them or reads uint64 by its bits)."""
+    """uint16/32/64 included (torch's ops lack them, so packfn reads them by their bits as signed ids)."""
     high = True if dtype == torch.bool else 2**64 - 1 if dtype == torch.uint64 else torch.iinfo(dtype).max
     mask = torch.tensor([[high, high, 0, 1], [1, 0, 0, high]], dtype=dtype)
     ours, theirs = drop_ins.packed_seq_params_from_doc_ids(mask), upstream.packed_seq_params_from_doc_ids(mask)
