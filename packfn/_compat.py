@@ -20,6 +20,7 @@ __all__ = [
     "current_dispatch_mode",
     "is_functorch_wrapper",
     "leading_columns",
+    "leading_entries",
     "scatter",
     "sym_max",
     "sym_min",
@@ -71,6 +72,19 @@ def leading_columns(tensor: torch.Tensor, count) -> torch.Tensor:
     torch does this.
     """
     return tensor.index_select(1, torch.arange(count, device=tensor.device))
+
+
+def leading_entries(tensor: torch.Tensor, count) -> torch.Tensor:
+    """The first ``count`` entries of a 1-D ``tensor`` (``count`` an unbacked size when traced), as a new tensor.
+
+    By ``index_select`` rather than a slice: torch 2.11, compiling with
+    dynamic shapes, loses the size of a slice ``tensor[:count]`` whose
+    length ``tensor`` has symbolically (``PendingUnbackedSymbolNotFound``:
+    the slice's length, ``min(count, length)``, becomes a new unbacked
+    symbol that no output binds). Use a slice once packfn requires a torch
+    that keeps it.
+    """
+    return tensor.index_select(0, torch.arange(count, device=tensor.device))
 
 
 def current_dispatch_mode():

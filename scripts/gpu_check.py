@@ -1,37 +1,46 @@
-"""GPU checks of SPEC section 6, prepared for a lent CUDA GPU (one short run, under five minutes).
+"""GPU checks of SPEC section 6, prepared for a lent CUDA GPU: one run, every failure recorded.
 
-Sections, run in the order ``--sections`` names them (a section that would
-start past ``--budget`` seconds is skipped and says so in the summary):
+Sections, in the order ``--sections`` names them. Each section and each
+function inside it is independent: a failure (an error, a result that
+differs from the CPU's, a host sync) is recorded and the run goes on. The
+run ends with the list of failures and exits 1 when there is one.
 
-1. ``codegen``: each static op compiled (``fullgraph=True``, ``dynamic=False``)
-   through ``torch._inductor.utils.run_and_get_code``: Triton kernel
-   definitions (``@triton.jit``) and launches (``<kernel>.run(``) in the
-   output code, aten / extern fallbacks, and no call back into ``packfn``.
-   Target: at most 2 kernels per static metadata op.
-2. ``compiled``: every static op compiled with static and with dynamic
-   shapes at two sequence lengths (``--compiled-sequences``, batch 3), and the
-   backward of ``pack``, ``restore`` and ``unpad``, each against eager on the
-   device: Inductor's Triton code paths are not the CPU's C++ ones (NOTE
-   [One flat search] in ``packfn/_ops/metadata.py``).
-3. ``sync``: ``torch.cuda.set_sync_debug_mode("error")`` around the static
-   path, eager and compiled: any host sync raises and is recorded.
+1. ``correctness``: every public function (``scripts/catalog.py``: the
+   core, the format conversions, the distributed shards and their attention
+   inputs, the integrations and the NeMo AutoModel drop-ins) at every batch
+   of ``--batches`` and sequence of ``--sequences`` (the sizes where
+   Inductor changes path: 8192 / 8193 columns, then 32768 and 131072):
+   eagerly on the device, compiled with dynamic shapes (one compile per
+   function and batch, called at every sequence) and, at the
+   ``--static`` sizes, compiled with static shapes; each result equal to
+   the function's eager result on the CPU.
+2. ``codegen``: each function compiled at ``--batches``' largest and
+   ``--codegen-sequence``: the kernels Inductor's code launches (Triton
+   kernels, aten fallbacks, memsets), no call back into ``packfn``, and the
+   median time against one pass over the mask (``(mask > 0).sum()``,
+   compiled). SPEC section 6: at most 4 launches per metadata function and
+   5 times the pass. On ``--device cpu`` the launches are those of the
+   Triton code Inductor writes for an H200 (``scripts/inductor_cuda.py``).
+3. ``sync``: ``torch.cuda.set_sync_debug_mode("error")`` around every
+   function of the static path, eager and compiled: a host sync is a failure.
 4. ``bandwidth``: compiled ``pack`` / ``restore`` against ``values.clone()``
-   (``[batch, sequence, hidden]`` float32), GB/s of bytes read and written.
-   Target: pack at 80% of copy bandwidth.
-5. ``upstream``: the compiled static ops against NeMo AutoModel's eager
-   helpers on the same inputs (CUDA-event medians).
+   (``[batch, sequence, --hidden]`` float32). Target: pack at 80% of copy bandwidth.
+5. ``upstream``: compiled static functions against NeMo AutoModel's eager
+   helpers on the same inputs.
 6. ``model``: the example model (``examples/packed_decoder.py``) trained a few
    steps under ``torch.compile(mode="reduce-overhead")`` (CUDA graphs), with
-   CUDA-graph skips counted, against the same model driven by upstream eagerly.
+   graph breaks and CUDA-graph skips counted, against upstream eagerly.
 
-Writes a JSON summary (``--json``). Uses no API newer than torch 2.11.
-Without CUDA it parses its arguments and exits with a message (status 2).
-``--device cpu`` walks every section on the CPU at whatever sizes are given
-(wall-clock timings, C++ kernels, no sync check): the tests use it so that
-the script cannot rot between the sessions that are lent a GPU.
+A section that would start past ``--budget`` seconds is skipped, and a
+section that runs past it skips its remaining functions; each skip is named
+in the JSON (``--json``). Uses no API newer than torch 2.11. Without CUDA it
+parses its arguments and exits with a message (status 2). ``--device cpu``
+walks every section on the CPU at whatever sizes are given (C++ kernels,
+wall-clock timings, no sync check): the tests use it so that the script
+cannot rot between the sessions that are lent a GPU.
 
     python scripts/gpu_check.py --json gpu_check.json
-    python scripts/gpu_check.py --sequences 4096 --sections codegen sync
+    python scripts/gpu_check.py --sequences 8193 --batches 8 --sections correctness codegen
 """
 
 from __future__ import annotations
@@ -43,11 +52,9 @@ if not __package__:  # run as a file: import from the repository root (scripts/_
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import argparse
-import dataclasses
 import functools
 import json
 import platform
-import re
 import statistics
 import time
 import traceback
@@ -57,41 +64,110 @@ import torch
 
 from scripts.measure import synchronize
 
-SECTIONS = ("codegen", "compiled", "sync", "bandwidth", "upstream", "model")
-METADATA_OPS = ("varlen_metadata", "batch_metadata", "flatten_metadata")
-MODEL_MAX_DOCUMENTS = 16
-KERNEL_TARGET = 2
+SECTIONS = ("correctness", "codegen", "sync", "bandwidth", "upstream", "model")
+# SPEC section 6: the metadata functions compiled launch at most this many kernels, within FLOOR_TARGET of a pass.
+LAUNCH_TARGET = 4
+FLOOR_TARGET = 5.0
+METADATA_FUNCTIONS = (
+    "varlen_metadata",
+    "batch_metadata",
+    "flatten_metadata",
+    "thd_metadata",
+    "physical_varlen_metadata",
+    "unpad",
+    "pad",
+    "block_causal_mask",
+    "document_block_mask",
+    "packed_position_ids",
+    "seq_idx_from_document_ids",
+    "seq_lens_from_document_ids",
+)
 BANDWIDTH_TARGET = 0.8
+MODEL_MAX_DOCUMENTS = 16
+CORRECTNESS_HIDDEN = 16
+STATIC_PATH_LAYERS = ("core", "formats", "distributed", "integrations")
+RANKS = (1,)  # of 2 context-parallel ranks: the one whose queries start inside the row
+
+
+def _size(text: str) -> tuple[int, int]:
+    batch, _, sequence = text.partition("x")
+    return int(batch), int(sequence)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--sequences", type=int, nargs="+", default=[32768], help="sequence lengths (SPEC: 32768)")
-    parser.add_argument("--mask-sequence", type=int, default=4096, help="sequence for the dense block-causal mask")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--sequences", type=int, nargs="+", default=[8192, 8193, 32768, 131072])
+    parser.add_argument(
+        "--static",
+        type=_size,
+        nargs="*",
+        default=[(8, 8193), (1, 131072), (8, 131072)],
+        metavar="BATCHxSEQUENCE",
+        help="sizes at which every function is also compiled with static shapes",
+    )
+    parser.add_argument("--codegen-sequence", type=int, default=32768, help="SPEC section 6's size for the launches")
     parser.add_argument("--mean", type=int, default=300, help="mean document length")
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--hidden", type=int, default=1024, help="activation width for pack / restore")
+    parser.add_argument("--hidden", type=int, default=1024, help="activation width for pack / restore bandwidth")
     parser.add_argument("--alignment", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=20, help="timed runs per variant")
+    parser.add_argument("--only", nargs="*", default=None, help="run only the functions of these names (catalog.py)")
     parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS))
-    parser.add_argument("--compiled-sequences", type=int, nargs=2, default=[4096, 2944])
     parser.add_argument("--model-sequence", type=int, default=2048)
     parser.add_argument("--model-batch", type=int, default=4)
     parser.add_argument("--model-hidden", type=int, default=256)
     parser.add_argument("--model-layers", type=int, default=2)
     parser.add_argument("--model-steps", type=int, default=6)
     parser.add_argument("--attention", choices=("sdpa", "flex"), default="sdpa", help="attention of the model")
-    parser.add_argument("--budget", type=float, default=270.0, help="seconds; later sections are skipped past it")
+    parser.add_argument("--budget", type=float, default=270.0, help="seconds; work past it is skipped and named")
     parser.add_argument("--json", type=Path, default=Path("bench_results/gpu_check.json"))
-    parser.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke run of the script itself")
+    parser.add_argument("--device", default="cuda", help="cuda, or cpu for a walk of the script itself")
     arguments = parser.parse_args(argv)
-    for name in ("batch", "hidden", "alignment", "repeats", "mean", "model_steps"):
+    for name in ("hidden", "alignment", "repeats", "mean", "model_steps", "codegen_sequence"):
         if getattr(arguments, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be positive")
+    if min(arguments.batches) < 1 or min(arguments.sequences) < 1:
+        parser.error("--batches and --sequences must be positive")
     return arguments
 
 
-# ------------------------------------------------------------------ helpers
+# ------------------------------------------------------------------ the run
+
+
+class Run:
+    """The clock, the failures and the skips of one run."""
+
+    def __init__(self, arguments: argparse.Namespace) -> None:
+        self.arguments = arguments
+        self.started = time.perf_counter()
+        self.failures: list[str] = []
+        self.skipped: list[str] = []
+
+    @property
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.started
+
+    def over_budget(self, what: str) -> bool:
+        """Whether the budget is spent; if so ``what`` is recorded as skipped."""
+        if self.elapsed <= self.arguments.budget:
+            return False
+        self.skipped.append(what)
+        return True
+
+    def check(self, label: str, function: Callable[[], object]) -> str:
+        """``"ok"`` where ``function`` returns True, else a failure (recorded under ``label``)."""
+        try:
+            outcome = "ok" if function() else "MISMATCH"
+        except Exception as error:  # record and go on: one failure must not hide the others
+            outcome = f"ERROR {type(error).__name__}: {_first_line(error)}"
+        if outcome != "ok":
+            self.failures.append(f"{label}: {outcome}")
+        return outcome
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return (text.splitlines() or [""])[0][:400]
 
 
 def _median_ms(function: Callable[[], object], repeats: int, device: str) -> float:
@@ -117,231 +193,211 @@ def _median_ms(function: Callable[[], object], repeats: int, device: str) -> flo
     return statistics.median(times)
 
 
-_LAUNCH = re.compile(r"\b(triton_\w+)\.run\(|\b(cpp_fused_\w+)\(")
+def _compiled(function: Callable[..., object], *, dynamic: bool) -> Callable[..., object]:
+    return torch.compile(function, fullgraph=True, dynamic=dynamic)
 
 
-def count_kernels(codes: list[str]) -> dict[str, object]:
-    """Triton definitions and kernel launches (C++ ones on the CPU), fallbacks and packfn calls in Inductor's code."""
-    text = "\n".join(codes)
-    return {
-        "triton_jit_definitions": text.count("@triton.jit"),
-        "kernel_launches": len(_LAUNCH.findall(text)),
-        "extern_calls": len(re.findall(r"\bextern_kernels\.\w+\(", text)),
-        "aten_calls": sorted(set(re.findall(r"\btorch\.ops\.aten\.(\w+)", text))),
-        "packfn_calls": text.count("torch.ops.packfn") + text.count("packfn::"),
-    }
+def _inputs(arguments, batch: int, sequence: int, hidden: int = CORRECTNESS_HIDDEN):
+    from scripts.benchmarks.common import make_inputs
+
+    return make_inputs(sequence, arguments.mean, batch=batch, hidden=hidden)
 
 
-def static_ops(inputs, alignment: int) -> dict[str, tuple[Callable[..., object], tuple]]:
-    """Name to ``(function, args)`` for every static op, on ``inputs`` (scripts/benchmarks/common.Inputs)."""
-    import packfn
-    from packfn import aligned_layout, document_block_mask, physical_varlen_metadata, safe_budget, unpad
-
-    mask, seq_lens, capacity = inputs.document_ids, inputs.seq_lens, inputs.max_documents
-    sequence = mask.shape[1]
-    budget = safe_budget(sequence, seq_lens.shape[1], alignment)
-    narrow = packfn.batch_metadata(mask, max_documents=capacity)
-
-    def layout_of(seq_lens):
-        return aligned_layout(seq_lens, sequence_length=sequence, alignment=alignment, budget=budget)
-
-    return {
-        **format_ops(mask, capacity),
-        "varlen_metadata": (lambda mask: packfn.varlen_metadata(mask, max_documents=capacity), (mask,)),
-        "batch_metadata": (lambda mask: packfn.batch_metadata(mask, max_documents=capacity), (mask,)),
-        "flatten_metadata": (packfn.flatten_metadata, (narrow.packed_token_indices, narrow.cu_seqlens)),
-        "aligned_layout": (layout_of, (seq_lens,)),
-        "pack": (lambda seq_lens, values: layout_of(seq_lens).pack(values), (seq_lens, inputs.values)),
-        "physical_varlen_metadata": (physical_varlen_metadata, (mask,)),
-        "document_block_mask": (lambda mask: document_block_mask(mask).kv_num_blocks, (mask,)),
-        "unpad": (
-            lambda mask, values: unpad(values, packfn.varlen_metadata(mask, max_documents=capacity)),
-            (mask, inputs.values),
-        ),
-    }
-
-
-def format_ops(mask: torch.Tensor, capacity: int) -> dict[str, tuple[Callable[..., object], tuple]]:
-    """The format conversions (``packfn.formats``) on one packed batch in each format, and back."""
-    import packfn
-
-    batch, sequence = mask.shape
-    valid = mask > 0
-    positions = packfn.packed_position_ids(mask)
-    ends = valid & (mask != torch.nn.functional.pad(mask, (0, 1))[:, 1:])
-    tokens = torch.where(ends, 0, 1 + torch.arange(sequence, device=mask.device) % 1000).masked_fill(~valid, 1001)
-    flat = packfn.physical_varlen_metadata(mask).cu_seqlens
-    rows = packfn.batch_metadata(mask, max_documents=capacity).cu_seqlens
-    seq_lens = packfn.seq_lens_from_document_ids(mask, max_documents=capacity)
-    return {
-        "packed_position_ids": (packfn.packed_position_ids, (mask,)),
-        "document_ids_from_position_ids": (
-            lambda positions, valid: packfn.document_ids_from_position_ids(positions, attention_mask=valid),
-            (positions, valid),
-        ),
-        "document_ids_from_eos": (lambda tokens: packfn.document_ids_from_eos(tokens, 0, pad_token_id=1001), (tokens,)),
-        "document_ids_from_seq_lens": (
-            lambda seq_lens: packfn.document_ids_from_seq_lens(seq_lens, sequence),
-            (seq_lens,),
-        ),
-        "document_ids_from_cu_seqlens": (lambda rows: packfn.document_ids_from_cu_seqlens(rows, sequence), (rows,)),
-        "document_ids_from_cu_seqlens_flat": (
-            lambda flat, valid: packfn.document_ids_from_cu_seqlens(flat, sequence, batch=batch, attention_mask=valid),
-            (flat, valid),
-        ),
-        "seq_idx_round_trip": (
-            lambda mask: packfn.document_ids_from_seq_idx(packfn.seq_idx_from_document_ids(mask), pad_index=-1),
-            (mask,),
-        ),
-        "thd_metadata": (lambda mask: packfn.thd_metadata(mask, max_documents=capacity), (mask,)),
-    }
-
-
-def _mask_op(mask_inputs):
-    from packfn import block_causal_mask
-
-    return "block_causal_mask", (block_causal_mask, (mask_inputs.document_ids,))
+def _selected(entries: dict, arguments) -> dict:
+    if not arguments.only:
+        return entries
+    return {name: entry for name, entry in entries.items() if name in arguments.only}
 
 
 # ----------------------------------------------------------------- sections
 
 
-def section_codegen(arguments, inputs_by_sequence, mask_inputs) -> dict:
-    from torch._inductor.utils import run_and_get_code
+def section_correctness(run: Run) -> dict:
+    """Every function at every size: eager on the device, compiled dynamic and (at ``--static``) static, vs the CPU."""
+    from scripts.catalog import catalog, same
 
+    arguments = run.arguments
+    device = arguments.device
+    result: dict[str, dict[str, dict[str, str]]] = {}
+    for batch in arguments.batches:
+        sizes = {sequence: _inputs(arguments, batch, sequence) for sequence in arguments.sequences}
+        cap = max(inputs.max_documents for inputs in sizes.values())  # one cap: the dynamic compile serves all
+        catalogs = {
+            sequence: _selected(catalog(inputs, max_documents=cap, ranks=RANKS), arguments)
+            for sequence, inputs in sizes.items()
+        }
+        names = list(dict.fromkeys(name for entries in catalogs.values() for name in entries))
+        for name in names:
+            if run.over_budget(f"correctness {name} at batch {batch}"):
+                continue
+            torch._dynamo.reset()
+            for sequence, entries in catalogs.items():
+                if name not in entries:
+                    continue
+                entry, size = entries[name], f"{batch}x{sequence}"
+                label = f"correctness {name} {size}"
+                outcomes = result.setdefault(name, {}).setdefault(size, {})
+                try:
+                    reference = entry.function(*entry.args)
+                except Exception as error:
+                    outcomes["cpu"] = f"ERROR {type(error).__name__}: {_first_line(error)}"
+                    run.failures.append(f"{label} cpu: {outcomes['cpu']}")
+                    continue
+                on_device = entry.to(device)
+
+                def matches(function, on_device=on_device, reference=reference) -> bool:
+                    return same(function(*on_device.args), reference)
+
+                outcomes["eager"] = run.check(f"{label} eager", functools.partial(matches, on_device.function))
+                if not entry.compiles:
+                    continue
+                dynamic = _compiled(on_device.function, dynamic=True)
+                outcomes["dynamic"] = run.check(f"{label} dynamic", functools.partial(matches, dynamic))
+                if (batch, sequence) in arguments.static:
+                    torch._dynamo.reset()
+                    static = _compiled(on_device.function, dynamic=False)
+                    outcomes["static"] = run.check(f"{label} static", functools.partial(matches, static))
+                    torch._dynamo.reset()
+                print(f"correctness {name:<48} {size:<9} {outcomes}", flush=True)
+    backward = _backward(run)
+    return {"functions": result, "backward": backward}
+
+
+def _backward(run: Run) -> dict:
+    """The compiled backward of the differentiable functions at batch > 1, against eager on the device."""
+    import packfn
+
+    arguments = run.arguments
+    batch = max(arguments.batches)
+    sequence = min(arguments.sequences)
+    inputs = _inputs(arguments, batch, sequence)
+    mask, values = inputs.document_ids.to(arguments.device), inputs.values.to(arguments.device)
+    seq_lens = inputs.seq_lens.to(arguments.device)
+    budget = packfn.safe_budget(sequence, seq_lens.shape[1], arguments.alignment)
+    layout = packfn.aligned_layout(seq_lens, sequence_length=sequence, alignment=arguments.alignment, budget=budget)
+    metadata = packfn.varlen_metadata(mask, max_documents=inputs.max_documents)
+    functions = {
+        "pack": (layout.pack, values),
+        "restore": (layout.restore, layout.pack(values)),
+        "unpad": (lambda values: packfn.unpad(values, metadata), values),
+        "pad": (lambda values: packfn.pad(values, metadata), packfn.unpad(values, metadata)),
+    }
     result = {}
-    for sequence, inputs in inputs_by_sequence.items():
-        ops = static_ops(inputs, arguments.alignment)
-        ops.update([_mask_op(mask_inputs)] if sequence == max(inputs_by_sequence) else [])
-        for name, (function, args) in ops.items():
-            compiled = torch.compile(function, fullgraph=True, dynamic=False)
-            _, codes = run_and_get_code(compiled, *args)
-            counts = count_kernels(codes)
-            if name in METADATA_OPS:
-                counts["target_max_kernels"] = KERNEL_TARGET
-                counts["meets_target"] = counts["kernel_launches"] <= KERNEL_TARGET
-            result[f"{name}@{sequence if name != 'block_causal_mask' else arguments.mask_sequence}"] = counts
-            print(f"codegen  {name:<26} S={sequence:<6} {counts}", flush=True)
+    for name, (function, values) in functions.items():
+
+        def gradients(function, values=values):
+            values = values.detach().requires_grad_(True)
+            out = function(values)
+            weights = torch.arange(out.numel(), device=out.device, dtype=out.dtype).reshape(out.shape).sin()
+            (out * weights).sum().backward()
+            return values.grad
+
+        result[f"{name}@{batch}x{sequence}"] = run.check(
+            f"backward {name}",
+            lambda f=function, g=gradients: torch.equal(g(_compiled(f, dynamic=False)), g(f)),
+        )
     return result
 
 
-def section_sync(arguments, inputs_by_sequence, mask_inputs) -> dict:
+def section_codegen(run: Run) -> dict:
+    """Launches per function in Inductor's code (for an H200 when the device is the CPU), and time over a pass."""
+    from scripts.catalog import catalog
+    from scripts.inductor_cuda import kernel_names, triton_code
+
+    arguments = run.arguments
+    batch, sequence = max(arguments.batches), arguments.codegen_sequence
+    inputs = _inputs(arguments, batch, sequence)
+    entries = _selected(catalog(inputs, ranks=RANKS), arguments)
+    mask = inputs.document_ids.to(arguments.device)
+    floor = _compiled(lambda mask: (mask > 0).sum(), dynamic=False)
+    floor_ms = _median_ms(lambda: floor(mask), arguments.repeats, arguments.device)
+    result: dict[str, object] = {"size": f"{batch}x{sequence}", "floor_ms": floor_ms, "functions": {}}
+    for name, entry in entries.items():
+        if not entry.compiles or run.over_budget(f"codegen {name}"):
+            continue
+        on_device = entry.to(arguments.device)
+        row: dict[str, object] = {}
+        try:
+            if arguments.device == "cuda":
+                from torch._inductor.utils import run_and_get_code
+
+                torch._dynamo.reset()
+                compiled = _compiled(on_device.function, dynamic=False)
+                _, codes = run_and_get_code(compiled, *on_device.args)
+                code = "\n".join(codes)
+            else:
+                code = triton_code(entry.function, *entry.args)
+                compiled = _compiled(on_device.function, dynamic=False)
+            kernels = kernel_names(code)
+            row["launches"] = len(kernels)
+            row["kernels"] = kernels
+            row["packfn_calls"] = code.count("torch.ops.packfn") + code.count("packfn::")
+            row["ms"] = _median_ms(lambda c=compiled, a=on_device.args: c(*a), arguments.repeats, arguments.device)
+            row["over_floor"] = row["ms"] / floor_ms
+            if row["packfn_calls"]:
+                run.failures.append(f"codegen {name}: {row['packfn_calls']} calls back into packfn")
+            if name in METADATA_FUNCTIONS:
+                row["meets_launch_target"] = row["launches"] <= LAUNCH_TARGET
+                row["meets_floor_target"] = row["over_floor"] <= FLOOR_TARGET
+        except Exception as error:
+            row["error"] = f"{type(error).__name__}: {_first_line(error)}"
+            run.failures.append(f"codegen {name}: {row['error']}")
+        result["functions"][name] = row
+        print(f"codegen  {name:<48} { ({k: v for k, v in row.items() if k != 'kernels'}) }", flush=True)
+    return result
+
+
+def section_sync(run: Run) -> dict:
+    from scripts.catalog import catalog
+
+    arguments = run.arguments
     if arguments.device != "cuda":
         return {"skipped": "torch.cuda.set_sync_debug_mode needs CUDA"}
-    result = {}
-    inputs = inputs_by_sequence[max(inputs_by_sequence)]
-    ops = static_ops(inputs, arguments.alignment)
-    ops.update([_mask_op(mask_inputs)])
-    for mode in ("eager", "compiled"):
-        for name, (function, args) in ops.items():
-            runner = torch.compile(function, fullgraph=True, dynamic=False) if mode == "compiled" else function
-            runner(*args)  # compile (or warm) outside the checked region
-            torch.cuda.synchronize()
-            torch.cuda.set_sync_debug_mode("error")
-            try:
-                runner(*args)
-                outcome = "no sync"
-            except RuntimeError as error:
-                outcome = f"SYNC: {str(error).splitlines()[0]}"
-            finally:
-                torch.cuda.set_sync_debug_mode(0)
-            torch.cuda.synchronize()
-            result[f"{mode}:{name}"] = outcome
-            print(f"sync     {mode:<9} {name:<26} {outcome}", flush=True)
-    return result
-
-
-def _leaves(value) -> list:
-    """Tensors and plain values of ``value``, looking inside dataclasses (layouts) and pytrees."""
-    if dataclasses.is_dataclass(value):
-        return _leaves([getattr(value, field.name) for field in dataclasses.fields(value)])
-    leaves = torch.utils._pytree.tree_leaves(value)
-    return leaves if leaves == [value] else [leaf for item in leaves for leaf in _leaves(item)]
-
-
-def _same(got, want) -> bool:
-    got, want = _leaves(got), _leaves(want)
-    return len(got) == len(want) and all(
-        torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b for a, b in zip(got, want, strict=True)
-    )
-
-
-def _gradient_of(function, values: torch.Tensor, args: tuple) -> torch.Tensor:
-    values = values.detach().requires_grad_(True)
-    out = function(*args, values)
-    weights = torch.arange(out.numel(), device=out.device, dtype=out.dtype).reshape(out.shape).sin()
-    (out * weights).sum().backward()
-    return values.grad
-
-
-def section_compiled(arguments, inputs_by_sequence, mask_inputs) -> dict:
-    import packfn
-    from packfn import aligned_layout, block_causal_mask, safe_budget, unpad
-
-    from scripts.benchmarks.common import make_inputs
-
-    result = {}
-    sizes = [
-        make_inputs(sequence, arguments.mean, batch=3, device=arguments.device, hidden=64)
-        for sequence in arguments.compiled_sequences
-    ]
-    for dynamic in (False, True):
-        for inputs in sizes:
-            ops = static_ops(inputs, arguments.alignment)
-            ops["block_causal_mask"] = (block_causal_mask, (inputs.document_ids,))
-            for name, (function, args) in ops.items():
-                key = f"{name}@{inputs.sequence}:{'dynamic' if dynamic else 'static'}"
-                try:
-                    runner = torch.compile(function, fullgraph=True, dynamic=dynamic)
-                    result[key] = "ok" if _same(runner(*args), function(*args)) else "MISMATCH"
-                except Exception as error:  # record and go on
-                    result[key] = f"ERROR {type(error).__name__}: {str(error)[:600]}"
-                print(f"compiled {key:<40} {result[key][:200]}", flush=True)
-    # Backward at batch > 1 through the differentiable ops.
-    inputs = sizes[0]
-    layout = aligned_layout(
-        inputs.seq_lens,
-        sequence_length=inputs.sequence,
-        alignment=arguments.alignment,
-        budget=safe_budget(inputs.sequence, inputs.seq_lens.shape[1], arguments.alignment),
-    )
-    metadata = packfn.varlen_metadata(inputs.document_ids, max_documents=inputs.max_documents)
-    packed = layout.pack(inputs.values)
-    backward = {
-        "pack": (lambda values: layout.pack(values), inputs.values),
-        "restore": (lambda values: layout.restore(values), packed),
-        "unpad": (lambda values: unpad(values, metadata), inputs.values),
+    inputs = _inputs(arguments, max(arguments.batches), arguments.codegen_sequence)
+    entries = {
+        name: entry.to("cuda")
+        for name, entry in _selected(catalog(inputs, ranks=RANKS), arguments).items()
+        if entry.layer in STATIC_PATH_LAYERS and entry.compiles
     }
-    for name, (function, values) in backward.items():
-        key = f"backward:{name}@{inputs.sequence}"
-        try:
-            runner = torch.compile(function, fullgraph=True)
-            same = torch.equal(_gradient_of(runner, values, ()), _gradient_of(function, values, ()))
-            result[key] = "ok" if same else "MISMATCH"
-        except Exception as error:
-            result[key] = f"ERROR {type(error).__name__}: {str(error)[:600]}"
-        print(f"compiled {key:<40} {result[key][:200]}", flush=True)
-    result["all_ok"] = all(value == "ok" for value in result.values())
+    result = {}
+    for mode in ("eager", "compiled"):
+        for name, entry in entries.items():
+            if run.over_budget(f"sync {mode} {name}"):
+                continue
+            runner = _compiled(entry.function, dynamic=False) if mode == "compiled" else entry.function
+
+            def synced(runner=runner, entry=entry) -> bool:
+                runner(*entry.args)  # compile (or warm) outside the checked region
+                torch.cuda.synchronize()
+                torch.cuda.set_sync_debug_mode("error")
+                try:
+                    runner(*entry.args)
+                finally:
+                    torch.cuda.set_sync_debug_mode(0)
+                torch.cuda.synchronize()
+                return True
+
+            result[f"{mode}:{name}"] = run.check(f"sync {mode} {name}", synced)
+            print(f"sync     {mode:<9} {name:<48} {result[f'{mode}:{name}']}", flush=True)
     return result
 
 
-def _bandwidth(arguments, sequence: int, inputs) -> dict:
+def section_bandwidth(run: Run) -> dict:
     from packfn import aligned_layout, safe_budget
 
-    values, seq_lens = inputs.values, inputs.seq_lens
+    arguments = run.arguments
+    sequence = arguments.codegen_sequence
+    inputs = _inputs(arguments, max(arguments.batches), sequence, hidden=arguments.hidden)
+    values, seq_lens = inputs.values.to(arguments.device), inputs.seq_lens.to(arguments.device)
     budget = safe_budget(sequence, seq_lens.shape[1], arguments.alignment)
     layout = aligned_layout(seq_lens, sequence_length=sequence, alignment=arguments.alignment, budget=budget)
     packed = layout.pack(values)
-    pack = torch.compile(lambda values: layout.pack(values), fullgraph=True, dynamic=False)
-    restore = torch.compile(lambda values: layout.restore(values), fullgraph=True, dynamic=False)
+    pack = _compiled(lambda values: layout.pack(values), dynamic=False)
+    restore = _compiled(lambda values: layout.restore(values), dynamic=False)
     row_bytes = values.shape[-1] * values.element_size()
-    # Bytes moved: every output row written, every real token read once.
-    real = int((layout.source_indices >= 0).sum())
+    real = int((layout.source_indices >= 0).sum())  # bytes moved: every output row written, every real token read
     measured = {
-        "clone": (
-            _median_ms(values.clone, arguments.repeats, arguments.device),
-            2 * values.numel() * values.element_size(),
-        ),
+        "clone": (_median_ms(values.clone, arguments.repeats, arguments.device), 2 * values.numel() * 4),
         "pack": (
             _median_ms(lambda: pack(values), arguments.repeats, arguments.device),
             (values.shape[0] * budget + real) * row_bytes,
@@ -356,24 +412,18 @@ def _bandwidth(arguments, sequence: int, inputs) -> dict:
     for name in ("pack", "restore"):
         entry[name]["fraction_of_clone_bandwidth"] = rates[name] / rates["clone"]
     entry["meets_target"] = entry["pack"]["fraction_of_clone_bandwidth"] >= BANDWIDTH_TARGET
-    return entry
-
-
-def section_bandwidth(arguments, inputs_by_sequence, mask_inputs) -> dict:
-    result = {}
-    for sequence, inputs in inputs_by_sequence.items():
-        result[str(sequence)] = _bandwidth(arguments, sequence, inputs)
-        print(f"bandwidth S={sequence:<6} {result[str(sequence)]}", flush=True)
-    return result
+    print(f"bandwidth S={sequence:<6} {entry}", flush=True)
+    return {str(sequence): entry}
 
 
 def _upstream_pairs(arguments, inputs) -> dict[str, tuple[str, Callable[[], object]]]:
-    """Label to (static op name, upstream eager call) on the same inputs."""
+    """Label to (catalog name, upstream eager call) on the same inputs."""
     from nemo_automodel.components.datasets import packed_seq
     from nemo_automodel.components.datasets import packing as upstream
     from nemo_automodel.components.models.deepseek_v41.packing import packed_layout
 
-    mask, seq_lens = inputs.document_ids, inputs.seq_lens
+    mask, seq_lens = inputs.document_ids.to(arguments.device), inputs.seq_lens.to(arguments.device)
+    values = inputs.values.to(arguments.device)
     shape = tuple(mask.shape)
 
     def layout():
@@ -387,7 +437,7 @@ def _upstream_pairs(arguments, inputs) -> dict[str, tuple[str, Callable[[], obje
             lambda: upstream.build_packed_sequence_metadata(mask),
         ),
         "aligned_layout vs packed_layout": ("aligned_layout", layout),
-        "pack vs upstream pack": ("pack", lambda: upstream_layout.pack(inputs.values)),
+        "pack vs upstream pack": ("pack", lambda: upstream_layout.pack(values)),
         "physical_varlen_metadata vs packed_seq_params_from_doc_ids": (
             "physical_varlen_metadata",
             lambda: packed_seq.packed_seq_params_from_doc_ids(mask),
@@ -395,31 +445,37 @@ def _upstream_pairs(arguments, inputs) -> dict[str, tuple[str, Callable[[], obje
     }
 
 
-def section_upstream(arguments, inputs_by_sequence, mask_inputs) -> dict:
+def section_upstream(run: Run) -> dict:
+    from scripts.catalog import catalog
+
     try:
         import nemo_automodel.components.datasets.packed_seq
         import nemo_automodel.components.datasets.packing
         import nemo_automodel.components.models.deepseek_v41.packing  # noqa: F401
     except ImportError as error:
         return {"skipped": f"upstream not importable ({error}): pip install --no-deps nemo-automodel==0.7.0"}
+    arguments = run.arguments
+    sequence = arguments.codegen_sequence
+    inputs = _inputs(arguments, max(arguments.batches), sequence, hidden=arguments.hidden)
+    entries = catalog(inputs, alignment=arguments.alignment)
     result = {}
-    for sequence, inputs in inputs_by_sequence.items():
-        ops = static_ops(inputs, arguments.alignment)
-        for label, (name, reference) in _upstream_pairs(arguments, inputs).items():
-            function, args = ops[name]
-            compiled = torch.compile(function, fullgraph=True, dynamic=False)
-            ours = _median_ms(lambda compiled=compiled, args=args: compiled(*args), arguments.repeats, arguments.device)
-            theirs = _median_ms(reference, arguments.repeats, arguments.device)
-            result[f"{label}@{sequence}"] = {
-                "packfn_compiled_ms": ours,
-                "upstream_eager_ms": theirs,
-                "speedup": theirs / ours,
-            }
-            print(f"upstream S={sequence:<6} {label:<58} x{theirs / ours:8.1f}", flush=True)
+    for label, (name, reference) in _upstream_pairs(arguments, inputs).items():
+        if run.over_budget(f"upstream {label}"):
+            continue
+        entry = entries[name].to(arguments.device)
+        compiled = _compiled(entry.function, dynamic=False)
+        ours = _median_ms(lambda c=compiled, a=entry.args: c(*a), arguments.repeats, arguments.device)
+        theirs = _median_ms(reference, arguments.repeats, arguments.device)
+        result[f"{label}@{sequence}"] = {
+            "packfn_compiled_ms": ours,
+            "upstream_eager_ms": theirs,
+            "speedup": theirs / ours,
+        }
+        print(f"upstream S={sequence:<6} {label:<58} x{theirs / ours:8.1f}", flush=True)
     return result
 
 
-def section_model(arguments, inputs_by_sequence, mask_inputs) -> dict:
+def section_model(run: Run) -> dict:
     import copy
 
     from torch._dynamo.utils import counters
@@ -428,6 +484,7 @@ def section_model(arguments, inputs_by_sequence, mask_inputs) -> dict:
     from scripts.batches import make_batches
     from scripts.upstream import upstream_available, upstream_loss
 
+    arguments = run.arguments
     # Batches from packfn's packer: the model's static budgets are the packer's (no worst-case padding).
     batches = make_batches(
         arguments.model_steps,
@@ -485,6 +542,8 @@ def section_model(arguments, inputs_by_sequence, mask_inputs) -> dict:
         "median_step_ms": statistics.median(seconds[2:] or seconds) * 1e3,
         "losses": losses,
     }
+    if result["graph_breaks"]:
+        run.failures.append(f"model: {result['graph_breaks']} graph breaks")
     if upstream_available():
         # Upstream's rows at the packer's budget (packed_layout's minimum_length): the same area as packfn's.
         upstream_loss_function = functools.partial(upstream_loss, minimum_length=config.length)
@@ -493,6 +552,16 @@ def section_model(arguments, inputs_by_sequence, mask_inputs) -> dict:
         result["first_step_loss_difference"] = abs(losses[0] - upstream_losses[0])
     print(f"model    {result}", flush=True)
     return result
+
+
+SECTION_FUNCTIONS = {
+    "correctness": section_correctness,
+    "codegen": section_codegen,
+    "sync": section_sync,
+    "bandwidth": section_bandwidth,
+    "upstream": section_upstream,
+    "model": section_model,
+}
 
 
 # --------------------------------------------------------------------- main
@@ -507,16 +576,7 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    from scripts.benchmarks.common import make_inputs
-
-    started = time.perf_counter()
-    inputs_by_sequence = {
-        sequence: make_inputs(
-            sequence, arguments.mean, batch=arguments.batch, device=arguments.device, hidden=arguments.hidden
-        )
-        for sequence in arguments.sequences
-    }
-    mask_inputs = make_inputs(arguments.mask_sequence, arguments.mean, batch=arguments.batch, device=arguments.device)
+    run = Run(arguments)
     summary = {
         "torch": torch.__version__,
         "python": platform.python_version(),
@@ -524,31 +584,29 @@ def main(argv: list[str] | None = None) -> int:
         "arguments": {key: str(value) for key, value in vars(arguments).items()},
         "sections": {},
     }
-    functions = {
-        "codegen": section_codegen,
-        "compiled": section_compiled,
-        "sync": section_sync,
-        "bandwidth": section_bandwidth,
-        "upstream": section_upstream,
-        "model": section_model,
-    }
     for name in arguments.sections:  # in the order given: the budget skips the last ones
-        elapsed = time.perf_counter() - started
-        if elapsed > arguments.budget:
-            summary["sections"][name] = {"skipped": f"budget of {arguments.budget:.0f} s spent ({elapsed:.0f} s)"}
+        if run.over_budget(f"section {name}"):
+            summary["sections"][name] = {"skipped": f"budget of {arguments.budget:.0f} s spent"}
             continue
-        print(f"== {name} ({elapsed:.0f} s in) ==", flush=True)
+        print(f"== {name} ({run.elapsed:.0f} s in) ==", flush=True)
         try:
-            summary["sections"][name] = functions[name](arguments, inputs_by_sequence, mask_inputs)
+            summary["sections"][name] = SECTION_FUNCTIONS[name](run)
         except Exception as error:  # record and go on: one failed section must not hide the others
             summary["sections"][name] = {"error": repr(error), "traceback": traceback.format_exc()[-4000:]}
+            run.failures.append(f"section {name}: {type(error).__name__}: {_first_line(error)}")
             print(f"{name} FAILED: {error!r}", flush=True)
         torch._dynamo.reset()
-    summary["seconds"] = time.perf_counter() - started
+    summary["seconds"] = run.elapsed
+    summary["failures"] = run.failures
+    summary["skipped"] = run.skipped
     arguments.json.parent.mkdir(parents=True, exist_ok=True)
     arguments.json.write_text(json.dumps(summary, indent=1, default=str))
     print(f"wrote {arguments.json} after {summary['seconds']:.0f} s", flush=True)
-    return 1 if any("error" in section for section in summary["sections"].values()) else 0
+    if run.skipped:
+        print(f"skipped past the budget: {len(run.skipped)} ({', '.join(run.skipped[:5])}, ...)", flush=True)
+    for failure in run.failures:
+        print(f"FAILED {failure}", flush=True)
+    return 1 if run.failures else 0
 
 
 if __name__ == "__main__":

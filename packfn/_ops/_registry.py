@@ -44,9 +44,11 @@ from packfn._compat import current_dispatch_mode
 NAMESPACE = "packfn"
 
 __all__ = [
+    "ASSERT_MESSAGE_BYTES",
     "NAMESPACE",
     "Rule",
     "assert_rules",
+    "device_assert",
     "named_value",
     "packfn_op",
 ]
@@ -160,4 +162,34 @@ class Rule(NamedTuple):
 def assert_rules(broken: torch.Tensor, rules: tuple[Rule, ...]) -> None:
     """Sync-free check of an op's rule flags: bool ``[len(rules)]``, True where a rule is broken."""
     for index, rule in enumerate(rules):
-        torch._assert_async(~broken[index], rule.message)
+        device_assert(~broken[index], rule.message)
+
+
+# NOTE [Assert messages fit CUDA's buffer]
+# CUDA's ``_assert_async`` copies its message into a 256-byte buffer and
+# refuses one of 255 bytes or more ("Message length must be smaller than
+# 255", aten/src/ATen/native/cuda/TensorCompare.cu) before it checks
+# anything, so an op whose message is too long cannot run on a GPU at all;
+# the CPU takes any length. Every sync-free assert of packfn goes through
+# :func:`device_assert`, which holds its message to ``ASSERT_MESSAGE_BYTES``
+# on every device, so a CPU run fails where a GPU would; the tests hold
+# every message (its named values at int64's widest) to the limit, and
+# ``tests/core/test_registry.py`` keeps ``torch._assert_async`` out of
+# every other module.
+ASSERT_MESSAGE_BYTES = 254
+
+
+def device_assert(condition: torch.Tensor, message: str) -> None:
+    """``torch._assert_async(condition, message)``: the one sync-free assert of packfn.
+
+    Raises:
+        AssertionError: ``message`` is longer than CUDA's assert takes
+            (NOTE [Assert messages fit CUDA's buffer]): a bug in packfn, raised
+            on every device.
+    """
+    size = len(message.encode())
+    if size > ASSERT_MESSAGE_BYTES:
+        raise AssertionError(
+            f"packfn assert message of {size} bytes, past the {ASSERT_MESSAGE_BYTES} CUDA takes: {message[:80]}..."
+        )
+    torch._assert_async(condition, message)

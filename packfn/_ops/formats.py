@@ -54,6 +54,7 @@ from packfn._ops.metadata import (
     parse_mask_eager,
     varlen_from,
 )
+from packfn._ops.scan import running_sum
 
 __all__ = [
     "CU_SEQLENS_RULES",
@@ -137,7 +138,7 @@ def _positions_math(document_ids: torch.Tensor, padding: bool = True):
         return columns - torch.where(starts, columns, 0).cummax(1).values, None, None
     running, last = ids.cummax(1)
     valid = ids != 0
-    seen = valid.cumsum(1)
+    seen = running_sum(valid)
     # A start: the id exceeds the running maximum before it (padding never does).
     starts = ids > _before(running, 0)
     first_seen = torch.where(starts, seen, 0).cummax(1).values
@@ -310,9 +311,8 @@ def position_id_rules(start: int | None) -> tuple[Rule, ...]:
     return (
         Rule("position_ids must not be negative"),
         Rule(
-            f"every document of position_ids must begin at {named_value('start', start)} (a position that "
-            "neither continues the one before it by 1 nor restarts there: positions that never restart, "
-            "or a row that begins inside a document; pass start=None to accept documents that begin anywhere)"
+            f"every document of position_ids must begin at {named_value('start', start)} (positions that never "
+            "restart, or a row that begins inside a document); pass start=None to accept any first position"
         ),
     )
 
@@ -387,13 +387,13 @@ def document_ids_from_position_ids_op(
     if valid is None:
         # No padding: the previous token is the one before, and the row start begins a document.
         starts = positions != _before(positions, -2) + 1
-        ids = starts.cumsum(1)
+        ids = running_sum(starts)
         negative = (positions < 0).any()
     else:
         previous = _previous_valid(valid)
         before = positions.gather(1, previous.clamp_min(0))
         starts = valid & ((previous < 0) | (positions != before + 1))
-        ids = torch.where(valid, starts.cumsum(1), 0)
+        ids = torch.where(valid, running_sum(starts), 0)
         negative = (valid & (positions < 0)).any()
     restart = (starts & (positions != start)).any() if start is not None else _false(positions)
     return ids, torch.stack([negative, restart])
@@ -451,10 +451,10 @@ def _eos_documents(input_ids, attention_mask, eos_token_ids, bos, pad_token_id):
     valid = _valid_tokens(input_ids, attention_mask, pad_token_id)
     if bos:
         # A marker begins its document; the row start begins one too.
-        documents = (markers | (torch.arange(input_ids.shape[1], device=input_ids.device) == 0)).cumsum(1)
+        documents = running_sum(markers | (torch.arange(input_ids.shape[1], device=input_ids.device) == 0))
     else:
         # A marker ends its document: the next token begins the next one.
-        documents = markers.cumsum(1) - markers.long() + 1
+        documents = running_sum(markers) - markers.long() + 1
     if valid is not None:
         documents = torch.where(valid, documents, 0)
     return documents, markers, valid
@@ -581,7 +581,7 @@ def _ends_at_or_before(ends: torch.Tensor, length: int) -> torch.Tensor:
     target = torch.where(last & (ends < length), ends, length + index)
     marks = torch.zeros(rows, length + slots, dtype=torch.int64, device=ends.device)
     marks = marks.scatter(1, target, index - first + 1)
-    return marks[:, :length].cumsum(1)
+    return running_sum(marks[:, :length])
 
 
 def _ids_from_lengths(lengths: torch.Tensor, sequence: int) -> torch.Tensor:
@@ -593,7 +593,7 @@ def _ids_from_lengths(lengths: torch.Tensor, sequence: int) -> torch.Tensor:
     batch, slots = lengths.shape
     if slots == 0:
         return lengths.new_zeros(batch, sequence, dtype=torch.int64)
-    ends = lengths.to(torch.int64).cumsum(1)
+    ends = running_sum(lengths.to(torch.int64))
     columns = torch.arange(sequence, device=lengths.device)
     return torch.where(columns < ends[:, -1:], _ends_at_or_before(ends, sequence) + 1, 0)
 
@@ -656,7 +656,7 @@ def _cu_seqlens_flags(cu_seqlens: torch.Tensor, limit) -> tuple[torch.Tensor, li
     ``cu_seqlens`` is int64 ``[N]`` or ``[B, N]``: one table per row.
     """
     present = cu_seqlens >= 0
-    absent_before = (~present).cumsum(-1) > 0
+    absent_before = running_sum(~present) > 0
     count = present.sum(-1, keepdim=True)
     last = cu_seqlens.gather(-1, (count - 1).clamp_min(0))
     bounds = torch.where(present & ~absent_before, cu_seqlens, last)

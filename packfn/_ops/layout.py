@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from packfn._ops._registry import Rule, named_value, packfn_op
 from packfn._ops.metadata import search_running_sums
+from packfn._ops.scan import running_sum
 from packfn._utils import round_up
 
 __all__ = [
@@ -83,8 +84,8 @@ class DocumentTable(NamedTuple):
         real = torch.where(present, lengths, 0).clamp(0, sequence_length + 1)
         span = torch.where(present, spans, 0).clamp(0, sequence_length + 1)
         width = round_up(real, alignment)
-        input_bounds = F.pad(span, (1, 0)).cumsum(1)
-        aligned_bounds = F.pad(width, (1, 0)).cumsum(1)
+        input_bounds = running_sum(F.pad(span, (1, 0)))
+        aligned_bounds = running_sum(F.pad(width, (1, 0)))
         return cls(lengths, spans, present, real, input_bounds, aligned_bounds, sequence_length, alignment)
 
     def violations(self) -> torch.Tensor:

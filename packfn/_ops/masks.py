@@ -81,10 +81,16 @@ def _document_kv_blocks_fake(
 
 
 def _ordered(dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Block counts and block indices (present blocks ascending, then absent ones), as create_block_mask orders them."""
-    dense = dense.to(torch.int32)
-    indices = torch.argsort(dense, dim=-1, descending=True, stable=True)
-    return dense.sum(dim=-1, dtype=torch.int32), indices.to(torch.int32)
+    """Block counts and block indices (present blocks ascending, then absent ones), as create_block_mask orders them.
+
+    The counts sum the sorted flags, not the flags: Inductor's Triton backend
+    fuses the ``[batch, 1, Q, K]`` flags' pointwise producer into a sum over
+    ``K`` and, with dynamic shapes (``Q == K`` symbolic), cannot split the
+    fused ranges (``CantSplit: B*Q not divisible by B*Q**2``, torch 2.11 to
+    2.15 on CUDA); the sort's output is a buffer of its own.
+    """
+    values, indices = torch.sort(dense.to(torch.int32), dim=-1, descending=True, stable=True)
+    return values.sum(dim=-1, dtype=torch.int32), indices.to(torch.int32)
 
 
 class DocumentKvBlocks(NamedTuple):

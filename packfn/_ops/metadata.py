@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from packfn._compat import scatter
 from packfn._ops._registry import Rule, named_value, packfn_op
+from packfn._ops.scan import running_sum
 
 __all__ = [
     "FLATTEN_RULES",
@@ -220,7 +221,7 @@ def compact(flags: torch.Tensor, values: torch.Tensor, slots: int, *, search: bo
         return (
             values.reshape(-1).gather(0, found.flatten().clamp_max(values.numel() - 1)).view(*flags.shape[:-1], slots)
         )
-    seen = flags.cumsum(-1)
+    seen = running_sum(flags)
     spare = slots + torch.arange(length, device=flags.device)
     target = torch.where(flags, seen - 1, spare)
     buffer = values.new_empty((*flags.shape[:-1], slots + length))
@@ -352,7 +353,7 @@ FLATTEN_RULES = (
 def flatten_violations(row_tokens: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
     """Bool ``[len(FLATTEN_RULES)]``: broken rules of batch-major metadata (``row_tokens``: valid tokens a row)."""
     valid_bounds = cu_seqlens >= 0
-    after_gap = valid_bounds & ((~valid_bounds).cumsum(dim=1) > 0)
+    after_gap = valid_bounds & (running_sum(~valid_bounds) > 0)
     pairs = valid_bounds[:, 1:] & valid_bounds[:, :-1]
     decreasing = (cu_seqlens[:, 1:] < cu_seqlens[:, :-1]) & pairs
     count = valid_bounds.sum(dim=1)

@@ -20,7 +20,7 @@ import torch
 from torch.nn.attention.flex_attention import BlockMask
 
 from packfn._checks import check_positive_int, check_tensor
-from packfn._ops import varlen as _varlen_ops
+from packfn._ops.metadata import binary_search_slots, compact
 from packfn.distributed.balanced import BalancedKeys, balanced_kv_blocks, balanced_varlen
 from packfn.distributed.cp import CPShard
 from packfn.masks import document_block_mask
@@ -125,8 +125,9 @@ class CPVarlenMetadata(NamedTuple):
 
     Attributes:
         cu_seqlens_q: int32 query boundaries ending at ``batch * local``.
-            Contiguous: ``[batch * budget + 1]``, the total repeated past the
-            last segment; balanced: ``[batch * (4 * (D + 1) + 1) + 1]``, four
+            Contiguous: ``[batch * (min(2 * D, local - 1) + 3) + 1]`` for
+            ``D = shard.max_documents``, the row's end repeated past its last
+            segment; balanced: ``[batch * (4 * (D + 1) + 1) + 1]``, four
             segments per slot (the row's padding is the last slot, some
             segments empty) and one without queries per row.
         cu_seqlens_k: int32, the same shape: key boundaries over the flattened
@@ -137,6 +138,7 @@ class CPVarlenMetadata(NamedTuple):
         max_seqlen_k_bound: Python int ``budget``.
         key_length: Python int: keys per row, ``budget`` (contiguous) or
             ``budget + budget // (2 * world)`` (balanced, NOTE [Varlen keys of a balanced shard]).
+        batch: Python int: rows.
         key_tables: How a balanced shard's key buffer reads the gathered keys; None for contiguous.
     """
 
@@ -147,6 +149,7 @@ class CPVarlenMetadata(NamedTuple):
     max_seqlen_q_bound: int
     max_seqlen_k_bound: int
     key_length: int
+    batch: int
     key_tables: BalancedKeys | None = None
 
     def keys(self, gathered: torch.Tensor) -> torch.Tensor:
@@ -167,7 +170,7 @@ class CPVarlenMetadata(NamedTuple):
         check_tensor(gathered, "gathered")
         tables = self.key_tables
         budget = self.max_seqlen_k_bound
-        batch = (self.cu_seqlens_k.shape[0] - 1) // budget if tables is None else tables.first_source.shape[0]
+        batch = self.batch
         if gathered.ndim < 2 or tuple(gathered.shape[:2]) != (batch, budget):
             shape = tuple(gathered.shape)
             raise ValueError(f"gathered must have shape [batch={batch}, budget={budget}, ...], got {shape}")
@@ -177,14 +180,15 @@ class CPVarlenMetadata(NamedTuple):
 def cp_varlen_metadata(shard: CPShard) -> CPVarlenMetadata:
     """Build this rank's varlen boundaries, with static shapes and no host sync.
 
-    Contiguous: the keys are cut into physical segments (runs of one
-    sequence id, padding runs included, as :func:`packfn.physical_varlen_metadata`)
-    and once more at the end of this rank's queries, ``start + local``. A
-    segment's queries are its columns inside ``[start, start + local)``, so
-    each segment ends its keys at its last query or has no query: with
-    bottom-right causal alignment every query sees exactly the earlier keys
-    of its document. Segments before or after this rank's queries have no
-    query (kernels skip them).
+    Contiguous: every run of one sequence id (padding runs included, as
+    :func:`packfn.physical_varlen_metadata`) that holds some of this rank's
+    queries ``[start, start + local)`` is a segment, cut at ``start + local``;
+    its queries are its columns inside that range, so each segment ends its
+    keys at its last query: with bottom-right causal alignment every query
+    sees exactly the earlier keys of its document. The keys before the
+    first such run and after the queries are one segment each, without
+    queries (kernels skip them), so a row takes ``min(2 * D, local - 1) + 3``
+    segments (``D = shard.max_documents``), not one per column.
 
     Balanced: each of the rank's two chunks of a document is its own
     segment, against the document's keys up to the chunk's end, in the key
@@ -196,7 +200,8 @@ def cp_varlen_metadata(shard: CPShard) -> CPVarlenMetadata:
 
     Returns:
         :class:`CPVarlenMetadata`. For rank 1 of the contiguous example:
-        ``cu_seqlens_k = [0, 3, 4, 6, 8, 8, ...]``, ``cu_seqlens_q = [0, 0, 0, 2, 4, 4, ...]``.
+        ``cu_seqlens_k = [0, 4, 6, 8, 8, 8, 8]``, ``cu_seqlens_q = [0, 0, 2, 4, 4, 4, 4]``;
+        for rank 0, ``cu_seqlens_k = [0, 3, 4, 8, 8, 8, 8]``, ``cu_seqlens_q = [0, 3, 4, 4, 4, 4, 4]``.
 
     Raises:
         TypeError: ``shard`` is not a :class:`CPShard`.
@@ -207,25 +212,48 @@ def cp_varlen_metadata(shard: CPShard) -> CPVarlenMetadata:
     if shard.plan is not None:
         cu_seqlens_q, cu_seqlens_k, max_q, max_k, tables = balanced_varlen(shard.plan, shard.rank, shard.world)
         key_length = tables.first_source.shape[1]
-        return CPVarlenMetadata(cu_seqlens_q, cu_seqlens_k, max_q, max_k, shard.local, budget, key_length, tables)
-    end = shard.start + shard.local
-    # Doubling the ids and adding one from the end of the queries on makes
-    # the id change at that column and nowhere else new.
-    after = (torch.arange(budget, device=keys.device) >= end).to(keys.dtype)
-    segments = _varlen_ops.physical_varlen_metadata_op(keys * 2 + after)
-    bounds = segments.cu_seqlens.to(torch.int64)
+        batch = keys.shape[0]
+        return CPVarlenMetadata(
+            cu_seqlens_q, cu_seqlens_k, max_q, max_k, shard.local, budget, key_length, batch, tables
+        )
+    return _contiguous_varlen(keys, shard.start, shard.local, shard.max_documents)
+
+
+def _contiguous_varlen(keys: torch.Tensor, start: int, local: int, max_documents: int) -> CPVarlenMetadata:
+    """A contiguous shard's segments: runs of one id that hold queries, and one query-less run on either side.
+
+    Row ``r``'s boundaries, in order: its first column; the first column of
+    the run holding column ``start`` (the keys before it form one segment
+    without queries); every run start inside ``(start, end)``; and ``end``
+    (the keys from there on form one more). At most ``2 * D`` runs start
+    after column 0 of a row of ``D`` documents, and at most ``local - 1``
+    inside the queries, so ``min(2 * D, local - 1) + 3`` slots a row hold
+    them all; the rest repeat the row's end (empty segments).
+    """
+    batch, budget = keys.shape
+    end = start + local
+    slots = min(2 * max_documents, local - 1) + 3
+    columns = torch.arange(budget, device=keys.device)
+    run_start = keys != torch.nn.functional.pad(keys, (1, 0), value=-1)[:, :-1]
+    start_run = torch.where(run_start & (columns <= start), columns, 0).amax(1, keepdim=True)
+    inside = run_start & (columns > start) & (columns < end)
+    flags = (columns == 0) | (columns == start_run) | inside | (columns == end)
+    found = compact(flags, columns.expand(batch, budget), slots, search=binary_search_slots(slots))
+    used = torch.arange(slots, device=keys.device) < flags.sum(1, keepdim=True)
+    rows = torch.arange(batch, device=keys.device).unsqueeze(1) * budget
+    bounds = torch.cat([(rows + torch.where(used, found, budget)).flatten(), rows.new_full((1,), batch * budget)])
     first, last = bounds[:-1], bounds[1:]
-    row = torch.div(first, budget, rounding_mode="floor") * budget
-    queries = (torch.minimum(last, row + end) - torch.maximum(first, row + shard.start)).clamp_min(0)
-    cu_seqlens_q = torch.nn.functional.pad(queries.cumsum(0), (1, 0)).to(torch.int32)
+    row = first - first % budget
+    queries = (torch.minimum(last, row + end) - torch.maximum(first, row + start)).clamp_min(0)
     return CPVarlenMetadata(
-        cu_seqlens_q=cu_seqlens_q,
-        cu_seqlens_k=segments.cu_seqlens,
+        cu_seqlens_q=torch.nn.functional.pad(queries.cumsum(0), (1, 0)).to(torch.int32),
+        cu_seqlens_k=bounds.to(torch.int32),
         max_seqlen_q=queries.max().to(torch.int32),
-        max_seqlen_k=segments.max_seqlen,
-        max_seqlen_q_bound=shard.local,
+        max_seqlen_k=(last - first).max().to(torch.int32),
+        max_seqlen_q_bound=local,
         max_seqlen_k_bound=budget,
         key_length=budget,
+        batch=batch,
     )
 
 

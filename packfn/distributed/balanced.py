@@ -61,9 +61,10 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from packfn._ops._registry import named_value
+from packfn._ops._registry import device_assert, named_value
 from packfn._ops.layout import pack_op
 from packfn._ops.metadata import search_running_sums
+from packfn._ops.scan import running_sum
 from packfn._utils import round_up
 from packfn.layout import PackedSequenceLayout, aligned_layout, as_rows
 
@@ -115,7 +116,7 @@ class _Slots(NamedTuple):
 
 
 def _slot_tables(widths: torch.Tensor, world: int) -> _Slots:
-    start = F.pad(widths, (1, 0)).cumsum(1)[:, :-1]
+    start = running_sum(F.pad(widths, (1, 0)))[:, :-1]
     return _Slots(widths // (2 * world), start, start // world)
 
 
@@ -166,6 +167,15 @@ def _width_columns(
     return columns.flatten(1), torch.where(within >= lead, columns - lead, -1).flatten(1)
 
 
+def fit_message(unit: int, budget: int) -> str:
+    """What the sync-free assert of a row that its balanced shards cannot hold says."""
+    return (
+        "shard_packed_batch: the documents of a row, each rounded up to a multiple of 2 * world * alignment "
+        f"({named_value('unit', unit)}), do not fit {named_value('budget', budget)}: pack them with "
+        "pad_to_multiple_of=2 * world * alignment"
+    )
+
+
 def balanced_layout(
     seq_lens: torch.Tensor,
     seq_lens_padded: torch.Tensor | None,
@@ -191,12 +201,7 @@ def balanced_layout(
     real = lengths.clamp(0, sequence_length + 1)
     widths = round_up(real, unit)
     used = widths.sum(1, keepdim=True)
-    torch._assert_async(
-        (used <= budget).all(),
-        "shard_packed_batch: the documents of a row, each rounded up to a multiple of 2 * world * alignment "
-        f"({named_value('unit', unit)}), do not fit {named_value('budget', budget)}: pack them with "
-        "pad_to_multiple_of=2 * world * alignment (packfn.pack_documents, pack_stream, packfn.data.PackedDataset)",
-    )
+    device_assert((used <= budget).all(), fit_message(unit, budget))
     # The width row with each slot's tokens at the start of its width.
     first = aligned_layout(seq_lens, seq_lens_padded, sequence_length=sequence_length, alignment=unit, budget=budget)
     rest = (budget - used).clamp_min(0)
@@ -413,8 +418,8 @@ def balanced_varlen(
     cu_seqlens_k = F.pad(keys.flatten().cumsum(0), (1, 0)).to(torch.int32)
     # Where each gathered key goes: the buffer columns of slot k start at `begin`, in the order of its segments.
     segments = keys[:, :-1].view(keys.shape[0], -1, 4)
-    begin = F.pad(segments.sum(-1), (1, 0)).cumsum(1)[:, :-1]
-    starts = begin.unsqueeze(-1) + F.pad(segments, (1, 0)).cumsum(-1)[..., :-1]  # [batch, slots, 4]
+    begin = running_sum(F.pad(segments.sum(-1), (1, 0)))[:, :-1]
+    starts = begin.unsqueeze(-1) + running_sum(F.pad(segments, (1, 0)))[..., :-1]  # [batch, slots, 4]
     column_slots = plan.slots.repeat(1, world)
     per_slot = torch.stack([tables.start, chunk, lead, head, tail, padding[0], padding[1], *starts.unbind(-1)], 1)
     # One gather of every per-slot table ([batch, 11, slots]) for every gathered column, each row contiguous.

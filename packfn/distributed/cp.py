@@ -47,6 +47,7 @@ import torch.distributed as dist
 
 from packfn._checks import check_int, check_positive_int, check_same_device, check_scalar_fits, check_tensor
 from packfn._compat import AsyncCollectiveTensor, all_gather, all_gather_autograd
+from packfn._ops._registry import device_assert
 from packfn.distributed.balanced import BALANCES, BalancePlan, balanced_layout
 from packfn.layout import PackedSequenceLayout, aligned_layout
 
@@ -79,6 +80,8 @@ class CPShard(NamedTuple):
             the input columns, ``layout.position_ids`` the keys' positions.
         rank: This rank.
         world: Ranks in the context-parallel group.
+        max_documents: Document slots per row (``seq_lens``' last axis):
+            the keys hold at most this many documents a row.
         balance: ``"rotated"``, ``"head_tail"`` or ``"contiguous"``.
         plan: Where each document's chunks go (:class:`packfn.distributed.balanced.BalancePlan`),
             None for ``"contiguous"``.
@@ -94,6 +97,7 @@ class CPShard(NamedTuple):
     layout: PackedSequenceLayout
     rank: int
     world: int
+    max_documents: int
     balance: str = "contiguous"
     plan: BalancePlan | None = None
 
@@ -256,6 +260,7 @@ def shard_packed_batch(
         layout=layout,
         rank=rank,
         world=world,
+        max_documents=seq_lens.shape[-1],
         balance=balance,
         plan=plan,
     )
@@ -348,7 +353,7 @@ def all_gather_sequence(
         return tensor
     if check_shapes:
         everyone = shape_descriptors(tensor, group)
-        torch._assert_async(
+        device_assert(
             (everyone == everyone[:1]).all() & gatherable(everyone[:, 0]).all(),
             "all_gather_sequence: shards differ in shape, dtype or requires_grad across ranks, "
             f"or have fewer than 2 or more than {MAX_AXES} axes",

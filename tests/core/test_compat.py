@@ -23,6 +23,7 @@ import packfn.nemo_automodel as nemo
 from packfn import _compat
 from packfn._ops import metadata as metadata_ops
 from packfn.nemo_automodel import layout as dropin_layout
+from packfn.nemo_automodel import packed_seq as nemo_packed_seq
 
 RELEASE = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
 
@@ -32,6 +33,7 @@ NEEDED_ON = {
     "sym_min": {(2, 11)},
     "scatter": {(2, 11)},
     "leading_columns": {(2, 13), (2, 14), (2, 15)},
+    "leading_entries": {(2, 11)},
 }
 
 
@@ -110,6 +112,18 @@ def test_sliced_unbacked_columns_break_the_backward_only_where_named(monkeypatch
     assert not _fails(_compiled_layout_backward)
     monkeypatch.setattr(dropin_layout, "leading_columns", lambda tensor, count: tensor[:, :count])
     assert _fails(_compiled_layout_backward) == (RELEASE in NEEDED_ON["leading_columns"])
+
+
+def _compiled_segments() -> None:
+    compiled = torch.compile(nemo.packed_seq_params_from_doc_ids, fullgraph=True, dynamic=True)
+    for mask in (torch.tensor([[1, 1, 2, 0], [1, 0, 0, 0]]), torch.tensor([[1, 1, 2, 0, 3], [1, 0, 0, 0, 2]])):
+        assert torch.equal(compiled(mask).cu_seqlens, nemo.packed_seq_params_from_doc_ids(mask).cu_seqlens)
+
+
+def test_sliced_unbacked_entries_lose_their_size_only_where_named(monkeypatch):
+    assert not _fails(_compiled_segments)
+    monkeypatch.setattr(nemo_packed_seq, "leading_entries", lambda tensor, count: tensor[:count])
+    assert _fails(_compiled_segments) == (RELEASE in NEEDED_ON["leading_entries"])
 
 
 def test_private_apis_still_answer():

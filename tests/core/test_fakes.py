@@ -313,26 +313,32 @@ def test_sizes_fake_gives_bounded_unbacked_sizes(values, bounds):
         assert (int(ranges.lower), int(ranges.upper)) == (0, bound), f"{size} ranges over {ranges}, not [0, {bound}]"
 
 
-def _searched_sequences(op_name: str, args: tuple) -> list[torch.fx.Node]:
-    """The sorted-sequence argument of every ``searchsorted`` in the op's decomposition, traced to aten."""
+def _decomposition_graph(op_name: str, args: tuple) -> torch.fx.Graph:
+    """The op's decomposition, traced to aten."""
     op = getattr(torch.ops.packfn, op_name).default
-    graph = make_fx(lambda *args: op.decompose(*args))(*args).graph
-    return [node.args[0] for node in graph.nodes if node.target == torch.ops.aten.searchsorted.Tensor]
+    return make_fx(lambda *args: op.decompose(*args))(*args).graph
 
 
 @pytest.mark.parametrize(("op_name", "args"), list(_cases()))
-def test_decomposition_searches_computed_1d_sequences(op_name, args):
-    """NOTE [One flat search]: what Inductor's Triton lowering of ``searchsorted`` compiles.
+def test_decomposition_searches_and_sums_compile_for_triton(op_name, args):
+    """What Inductor's Triton lowering compiles, at every length, on torch 2.11 too.
 
-    A sequence of rows fails in a 2-D tiled kernel, and a view of a computed
-    tensor fails the lowering's stride read ("NotImplementedError: View",
-    torch 2.11 on CUDA).
+    NOTE [One flat search]: a ``searchsorted`` over a sequence of rows fails in
+    a 2-D tiled kernel, and one over a view of a computed tensor fails the
+    lowering's stride read ("NotImplementedError: View"). NOTE [Scans that
+    never split]: a ``cumsum`` along the rows of a 2-D tensor becomes a split
+    scan past 8192 columns, which torch 2.11 cannot write.
     """
-    for sequence in _searched_sequences(op_name, args):
-        dims = sequence.meta["val"].dim()
-        assert dims == 1, f"packfn::{op_name} searches a sequence of {dims} dimensions: use search_running_sums"
-        view = isinstance(sequence.target, torch._ops.OpOverload) and sequence.target.is_view
-        assert not view, f"packfn::{op_name} searches a view ({sequence.target}): compute the sequence in 1-D"
+    for node in _decomposition_graph(op_name, args).nodes:
+        if node.target == torch.ops.aten.searchsorted.Tensor:
+            sequence = node.args[0]
+            dims = sequence.meta["val"].dim()
+            assert dims == 1, f"packfn::{op_name} searches a sequence of {dims} dimensions: use search_running_sums"
+            view = isinstance(sequence.target, torch._ops.OpOverload) and sequence.target.is_view
+            assert not view, f"packfn::{op_name} searches a view ({sequence.target}): compute the sequence in 1-D"
+        elif node.target == torch.ops.aten.cumsum.default:
+            dims = node.args[0].meta["val"].dim()
+            assert dims == 1, f"packfn::{op_name} sums along the rows of a {dims}-D tensor: use running_sum"
 
 
 @st.composite

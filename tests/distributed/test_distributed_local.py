@@ -81,9 +81,13 @@ def test_shards_of_every_rank_make_the_row_example():
     assert shards[1].position_ids.tolist() == [[0, 1, 0, 0]]
     assert torch.cat([shard.input_ids for shard in shards], 1).tolist() == [[10, 11, 12, 0, 13, 14, 0, 0]]
     assert torch.cat([shard.labels for shard in shards], 1).tolist() == [[10, 11, 12, -100, 13, 14, -100, -100]]
+    # cp_varlen_metadata's example: the runs holding each rank's queries, the keys before and after as one each.
     metadata = cp_varlen_metadata(shards[1])
-    assert metadata.cu_seqlens_k[:6].tolist() == [0, 3, 4, 6, 8, 8]
-    assert metadata.cu_seqlens_q[:6].tolist() == [0, 0, 0, 2, 4, 4]
+    assert metadata.cu_seqlens_k.tolist() == [0, 4, 6, 8, 8, 8, 8]
+    assert metadata.cu_seqlens_q.tolist() == [0, 0, 2, 4, 4, 4, 4]
+    metadata = cp_varlen_metadata(shards[0])
+    assert metadata.cu_seqlens_k.tolist() == [0, 3, 4, 8, 8, 8, 8]
+    assert metadata.cu_seqlens_q.tolist() == [0, 3, 4, 4, 4, 4, 4]
 
 
 @SETTINGS
@@ -124,8 +128,11 @@ def test_cp_varlen_metadata_attends_exactly_the_earlier_keys_of_each_querys_docu
     metadata = cp_varlen_metadata(shard)
     batch, budget = shard.key_sequence_ids.shape
     local, key_length = shard.local, metadata.key_length
-    slots = case.seq_lens.shape[-1] + 1  # the documents' and the row's padding
-    segments = batch * budget if case.balance == "contiguous" else batch * (4 * slots + 1)
+    documents = case.seq_lens.shape[-1]
+    if case.balance == "contiguous":  # the runs that hold queries, and the keys before and after them
+        segments = batch * (min(2 * documents, local - 1) + 3)
+    else:  # four per slot (the documents' and the row's padding), one without queries a row
+        segments = batch * (4 * (documents + 1) + 1)
     assert key_length == (budget if case.balance == "contiguous" else budget + budget // (2 * case.world))
     assert metadata.cu_seqlens_q.shape == metadata.cu_seqlens_k.shape == (segments + 1,)
     assert metadata.cu_seqlens_q.dtype == metadata.cu_seqlens_k.dtype == torch.int32
@@ -264,3 +271,23 @@ def test_attention_builders_reject_other_inputs():
             builder(shard.key_sequence_ids)
     with pytest.raises(ValueError, match="block_size=3 must divide the local shard length 4"):
         cp_document_block_mask(shard, block_size=3)
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_contiguous_varlen_segments_cut_documents_that_cross_rank_boundaries(world):
+    # Documents of 5, 7, 1 and 6 tokens in rows of 24 columns: boundaries between ranks (every 12, 8 or 6
+    # columns) fall inside documents, so a query cut one column late (or early) sees a key it must not.
+    seq_lens = torch.tensor([[5, 7, 1, 6], [3, 0, 9, 2]])
+    budget = 24
+    tokens = torch.arange(2 * 21).view(2, 21) + 1
+    for rank in range(world):
+        shard = shard_packed_batch(
+            seq_lens, input_ids=tokens, labels=tokens, rank=rank, world=world, budget=budget, balance="contiguous"
+        )
+        metadata = cp_varlen_metadata(shard)
+        batch, local = 2, shard.local
+        assert metadata.cu_seqlens_k.shape == (batch * (min(2 * 4, local - 1) + 3) + 1,)
+        dense = torch.block_diag(*cp_block_causal_mask(shard).squeeze(1))
+        real = (shard.sequence_ids != 0).flatten()
+        actual = varlen_mask_on_gathered_keys(metadata, batch, local, budget)
+        assert torch.equal(actual[real], dense[real]), (world, rank)

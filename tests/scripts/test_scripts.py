@@ -6,6 +6,7 @@ Each script is called in-process through its ``main(argv)`` (imported from the r
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import json
 import socket
@@ -428,35 +429,73 @@ def test_bench_pack_bound_copies_the_packed_output():
     assert torch.equal(copied, packed)
 
 
+GPU_CHECK_WALK = [
+    *("--batches", "1", "3", "--sequences", "64", "65", "--static", "3x65", "--codegen-sequence", "64"),
+    *("--mean", "16", "--hidden", "8", "--repeats", "1", "--alignment", "8"),
+    *("--only", "varlen_metadata", "document_ids_from_seq_lens"),
+    *("--model-sequence", "64", "--model-batch", "2", "--model-hidden", "32", "--model-layers", "1"),
+    *("--model-steps", "2", "--device", "cpu"),
+]
+
+
 def test_gpu_check_walks_its_sections_on_the_cpu(tmp_path):
     """``scripts/gpu_check.py --device cpu``: the device check cannot rot between sessions lent a GPU."""
     from scripts import gpu_check
 
     json_path = tmp_path / "gpu_check.json"
-    sizes = [
-        "--sequences",
-        "128",
-        "--mean",
-        "16",
-        "--batch",
-        "2",
-        "--hidden",
-        "8",
-        "--repeats",
-        "1",
-        "--alignment",
-        "8",
-    ]
-    model = ["--model-sequence", "64", "--model-batch", "2", "--model-hidden", "32", "--model-layers", "1"]
-    sections = ["--sections", "upstream", "bandwidth", "model", "sync"]
-    argv = [*sizes, *model, "--model-steps", "2", *sections, "--device", "cpu", "--json", str(json_path)]
-    assert gpu_check.main(argv) == 0
-    result = json.loads(json_path.read_text())["sections"]
-    assert list(result) == ["upstream", "bandwidth", "model", "sync"]
+    assert gpu_check.main([*GPU_CHECK_WALK, "--json", str(json_path)]) == 0
+    summary = json.loads(json_path.read_text())
+    result = summary["sections"]
+    assert list(result) == list(gpu_check.SECTIONS)
+    assert summary["failures"] == [] and summary["skipped"] == []
+    functions = result["correctness"]["functions"]
+    assert set(functions) == {"varlen_metadata", "document_ids_from_seq_lens"}
+    # Every function at every size eagerly and with dynamic shapes, with static shapes at the --static size.
+    for outcomes in functions.values():
+        assert set(outcomes) == {"1x64", "1x65", "3x64", "3x65"}
+        assert {size: set(modes) for size, modes in outcomes.items() if "static" in modes} == {
+            "3x65": {"eager", "dynamic", "static"}
+        }
+        assert all(outcome == "ok" for modes in outcomes.values() for outcome in modes.values())
+    assert set(result["correctness"]["backward"].values()) == {"ok"}
+    # The launches of the Triton code Inductor writes for an H200, from this CPU.
+    codegen = result["codegen"]["functions"]["varlen_metadata"]
+    assert codegen["launches"] == len(codegen["kernels"]) > 0 and codegen["packfn_calls"] == 0
+    assert any(kernel.startswith("triton_") for kernel in codegen["kernels"])
     assert "skipped" in result["sync"]  # CUDA only
     assert len(result["upstream"]) == 5 and all(row["speedup"] > 0 for row in result["upstream"].values())
     assert result["model"]["graph_breaks"] == 0
     assert result["model"]["first_step_loss_difference"] < 1e-4
+
+
+def test_gpu_check_records_every_failure_and_goes_on(tmp_path, monkeypatch, capsys):
+    """A function that fails (here: compiled, it differs from the CPU's eager result) is recorded; the others
+    and the sections after it still run, and the run exits 1 naming each failure."""
+    import torch
+
+    from scripts import catalog, gpu_check
+
+    original = catalog.catalog
+
+    def broken(*args, **kwargs):
+        entries = original(*args, **kwargs)
+        entry = entries["document_ids_from_seq_lens"]
+        entries["document_ids_from_seq_lens"] = dataclasses.replace(
+            entry, function=lambda seq_lens, mask: entry.function(seq_lens, mask) + torch.compiler.is_compiling()
+        )
+        return entries
+
+    monkeypatch.setattr(catalog, "catalog", broken)
+    json_path = tmp_path / "gpu_check.json"
+    argv = [*GPU_CHECK_WALK, "--sections", "correctness", "sync", "--json", str(json_path)]
+    assert gpu_check.main(argv) == 1
+    summary = json.loads(json_path.read_text())
+    assert list(summary["sections"]) == ["correctness", "sync"]
+    functions = summary["sections"]["correctness"]["functions"]
+    assert functions["varlen_metadata"]["3x65"] == {"eager": "ok", "dynamic": "ok", "static": "ok"}
+    assert functions["document_ids_from_seq_lens"]["1x64"] == {"eager": "ok", "dynamic": "MISMATCH"}
+    assert len(summary["failures"]) == 4 + 1  # dynamic at every size, static at 3x65
+    assert "FAILED correctness document_ids_from_seq_lens 3x65 static: MISMATCH" in capsys.readouterr().out
 
 
 def test_gpu_check_without_cuda_says_so(capsys, monkeypatch, tmp_path):
