@@ -15,6 +15,7 @@ imported only when they are needed.
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import statistics
 from collections.abc import Sequence
@@ -36,6 +37,7 @@ __all__ = [
     "Lengths",
     "add_budgets_command",
     "budget_report",
+    "plot_format",
     "plot_report",
     "read_lengths",
     "report_lines",
@@ -334,13 +336,47 @@ def _pyplot():
     return plt
 
 
+def plot_format(path: str | Path) -> str:
+    """The file format :func:`plot_report` writes ``path`` in: its suffix's, or PNG for a name without one.
+
+    The format is tried on an empty figure, so a suffix matplotlib cannot
+    write here (``.txt``, or ``.pgf`` without LaTeX) is refused before any
+    work.
+
+    Raises:
+        ImportError: matplotlib is not installed.
+        ValueError: matplotlib cannot write files with ``path``'s suffix
+            (the message names the suffix and the ones it writes).
+    """
+    plt = _pyplot()
+    suffix = Path(path).suffix
+    written = suffix[1:].lower() or "png"
+    figure = plt.figure()
+    try:
+        supported = figure.canvas.get_supported_filetypes()
+        if written not in supported:
+            raise ValueError(
+                f"matplotlib cannot write {suffix} files: name a file ending in "
+                f"{', '.join('.' + name for name in sorted(supported))}, or with no suffix for a PNG"
+            )
+        try:
+            figure.savefig(io.BytesIO(), format=written)
+        except (OSError, RuntimeError, ValueError) as error:
+            raise ValueError(f"matplotlib cannot write {suffix} files here: {error}") from None
+    finally:
+        plt.close(figure)
+    return written
+
+
 def plot_report(report: BudgetReport, path: str | Path, *, title: str | None = None) -> Path:
-    """Write a PNG: the length distribution, and the fill per cap under each budget.
+    """Write the length distribution and the fill per cap under each budget to ``path``.
 
     Args:
         report: From :func:`budget_report` (with ``curve=True`` for the
             fill curve; else the table's caps are drawn).
-        path: The PNG to write (its folder is created).
+        path: The file to write, exactly this path (its folder is
+            created), in the format of its suffix (:func:`plot_format`):
+            a PNG for ``.png`` or no suffix, a PDF for ``.pdf``, ...
         title: A title over both panels.
 
     Returns:
@@ -348,7 +384,9 @@ def plot_report(report: BudgetReport, path: str | Path, *, title: str | None = N
 
     Raises:
         ImportError: matplotlib is not installed.
+        ValueError: matplotlib cannot write files with ``path``'s suffix.
     """
+    written = plot_format(path)
     plt = _pyplot()
     suggestion, lengths = report.suggestion, report.lengths
     figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
@@ -398,7 +436,7 @@ def plot_report(report: BudgetReport, path: str | Path, *, title: str | None = N
     figure.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=110)
+    figure.savefig(path, dpi=110, format=written)
     plt.close(figure)
     return path
 
@@ -434,7 +472,12 @@ def add_budgets_command(commands) -> argparse.ArgumentParser:
     parser.add_argument("--split", help="the split of a saved DatasetDict")
     parser.add_argument("--sample", type=int, default=10_000, help="documents to read, a seeded sample (default 10000)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the sample (default 0)")
-    parser.add_argument("--plot", type=Path, help="write a PNG of the length distribution and the fill per cap")
+    parser.add_argument(
+        "--plot",
+        type=Path,
+        help="write the length distribution and the fill per cap to this file: a PNG (.png or no suffix), or "
+        "another format matplotlib writes by its suffix (.pdf, .svg, ...)",
+    )
     parser.set_defaults(run=_run_budgets, parser=parser)
     return parser
 
@@ -452,9 +495,11 @@ def _run_budgets(arguments: argparse.Namespace) -> int:
         if arguments.plot.is_dir():
             parser.error(f"--plot {arguments.plot} is a directory: name the PNG to write")
         try:
-            _pyplot()
+            plot_format(arguments.plot)
         except ImportError as error:
             parser.error(f"--plot: {error}")
+        except ValueError as error:
+            parser.error(f"--plot {arguments.plot}: {error}")
     try:
         read = read_lengths(arguments.data, split=arguments.split, sample=arguments.sample, seed=arguments.seed)
     except (FileNotFoundError, ImportError, TypeError, ValueError) as error:

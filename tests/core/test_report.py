@@ -210,6 +210,26 @@ def test_bad_arguments_are_usage_errors(jsonl, capsys, arguments, message):
     assert "usage: python -m packfn budgets" in err and not out
 
 
+def test_plot_writes_exactly_the_path_it_prints_a_png_when_the_name_has_no_suffix(jsonl, tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    target = tmp_path / "budgets"
+    code, out, err = run(["budgets", str(jsonl), "--sequence", "64", "--plot", str(target)], capsys)
+    assert code == 0, err
+    assert out.splitlines()[-1] == f"wrote {target}"
+    assert target.read_bytes().startswith(PNG_SIGNATURE)
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["budgets"]
+
+
+def test_plot_a_suffix_matplotlib_cannot_write_is_a_usage_error_before_any_work(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    target, missing = tmp_path / "out.txt", tmp_path / "missing.jsonl"
+    # The data does not exist: the refusal comes before anything is read.
+    code, out, err = run(["budgets", str(missing), "--sequence", "64", "--plot", str(target)], capsys)
+    assert code == 2 and f"--plot {target}: matplotlib cannot write .txt files: name a file ending in" in err, err
+    assert ".png" in err and ".pdf" in err
+    assert not out and not target.exists()
+
+
 def test_plot_without_matplotlib_says_how_to_install_it_before_reading(jsonl, tmp_path, capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
     png = tmp_path / "out.png"
