@@ -296,11 +296,14 @@ def report_lines(report: BudgetReport, read: Lengths | None = None) -> list[str]
             else f"{read.documents:,} documents"
         )
         sampled += f" of {read.source}"
-    longer = sum(1 for length in lengths if length > report.sequence)
+    # The packer splits a document longer than an empty row holds: its span must fit the row (a multiple of
+    # pad_to_multiple_of) and its aligned size the budget, never narrower than the row here.
+    longest = checked_budgets(report.sequence, report.alignment, 1, None, report.pad_to_multiple_of, True).longest
+    longer = sum(1 for length in lengths if length > longest)
     lines = [
         f"documents:  {sampled}: {sum(lengths):,} tokens, mean {statistics.mean(lengths):,.0f}, median "
         f"{statistics.median(lengths):,.0f}, longest {max(lengths):,}"
-        + (f"; {longer:,} longer than a row, split" if longer else ""),
+        + (f"; {longer:,} longer than the {longest:,} tokens a row holds, split" if longer else ""),
         f"settings:   sequence={report.sequence}, alignment={report.alignment}, "
         f"pad_to_multiple_of={report.pad_to_multiple_of}",
         f"suggestion: budget={suggestion.budget}, max_documents={suggestion.max_documents}: {suggestion.rows:,} rows, "

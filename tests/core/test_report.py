@@ -11,7 +11,7 @@ import torch
 
 from packfn import pack_documents, suggest_budgets
 from packfn.__main__ import main
-from packfn.data.report import budget_report, read_lengths
+from packfn.data.report import budget_report, read_lengths, report_lines
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 LENGTHS = [
@@ -101,6 +101,54 @@ def test_the_table_holds_the_suggestion_and_its_fill_is_the_packers(jsonl):
     assert chosen.aligned_fill == pytest.approx(packed.fill_ratio)
     assert {entry.max_documents for entry in report.table} >= {suggestion.max_documents, None}
     assert report.curve == []
+
+
+def _split_by_the_packer(lengths, **settings) -> int:
+    """Documents ``pack_documents(..., split=True)`` cuts into pieces."""
+    packed = pack_documents(lengths, max_documents=len(lengths), split=True, **settings)
+    pieces = packed.pieces
+    return len(set(pieces.document[pieces.length != pieces.total].tolist()))
+
+
+@pytest.mark.parametrize(
+    ("settings", "longest"),
+    [
+        ({"sequence": 256, "alignment": 16}, 256),
+        # Spans are multiples of 16: a row of 100 columns holds a document of 96 tokens at most.
+        ({"sequence": 100, "alignment": 1, "pad_to_multiple_of": 16}, 96),
+    ],
+)
+def test_documents_longer_than_a_row_are_those_the_packer_splits_at_the_boundary(settings, longest):
+    fits = [longest, 10, 3]
+    first = report_lines(budget_report(fits, **settings))[0]
+    assert _split_by_the_packer(fits, **settings) == 0
+    assert "longer than" not in first, first
+    over = [longest + 1, longest, 10]
+    if longest < settings["sequence"]:
+        over.append(settings["sequence"])
+    split = _split_by_the_packer(over, **settings)
+    assert split == len(over) - 2
+    first = report_lines(budget_report(over, **settings))[0]
+    assert first.endswith(f"; {split} longer than the {longest} tokens a row holds, split"), first
+
+
+def test_the_fill_curve_stops_at_the_first_power_of_two_cap_that_binds_no_row():
+    report = budget_report(LENGTHS, sequence=256, alignment=16, curve=True)
+    budgets = sorted({entry.budget for entry in report.table})
+    assert budgets[0] == 256 and len(budgets) == 2
+    for budget in budgets:
+        row = [entry for entry in report.table if entry.budget == budget]
+        (uncapped,) = [entry for entry in row if entry.max_documents is None]
+        stop = 1 << (uncapped.documents_max - 1).bit_length()  # the first power of two >= the most a row holds
+        curve = {entry.max_documents: entry for entry in report.curve if entry.budget == budget}
+        table_caps = {entry.max_documents for entry in row} - {None}
+        assert set(curve) == {1 << power for power in range(stop.bit_length())} | table_caps
+        assert (curve[stop].rows, curve[stop].fill) == (uncapped.rows, uncapped.fill)  # it binds no row
+    # The boundary itself: under budget 256 a row holds at most a power of two of these documents, and the curve
+    # stops at that cap, not at the next power (which no table cap is).
+    most = next(entry.documents_max for entry in report.table if (entry.budget, entry.max_documents) == (256, None))
+    caps = {entry.max_documents for entry in report.curve if entry.budget == 256}
+    assert most & (most - 1) == 0 and most in caps and 2 * most not in caps
 
 
 def test_the_command_reads_jsonl_prints_the_table_and_writes_a_png(jsonl, tmp_path, capsys):
