@@ -139,8 +139,8 @@ def test_gather_into_a_floating_dtype_refuses_values_it_would_overflow_or_round(
         ([[1, 2], [3, 4, 5]], torch.uint16, ValueError, "dtype must be bool, an integer dtype up to int64"),
         ([[1, 2], [3, 4, 5]], torch.float8_e4m3fn, ValueError, "dtype must be bool, an integer dtype up to int64"),
         ([[1, 2], [3, 4, 5]], "int64", TypeError, "dtype must be a torch.dtype or None, got str"),
-        ([torch.tensor([2**63, 1], dtype=torch.uint64), [3, 4, 5]], torch.int64, ValueError, "2\*\*63 or more"),
-        ([torch.tensor([1, 2**64 - 1], dtype=torch.uint64), [3, 4, 5]], torch.int64, ValueError, "2\*\*63 or more"),
+        ([torch.tensor([2**63, 1], dtype=torch.uint64), [3, 4, 5]], torch.int64, ValueError, r"2\*\*63 or more"),
+        ([torch.tensor([1, 2**64 - 1], dtype=torch.uint64), [3, 4, 5]], torch.int64, ValueError, r"2\*\*63 or more"),
         ([numpy.array([2**64 - 1, 1], dtype=numpy.uint64), [3, 4, 5]], None, ValueError, "have no common dtype"),
     ],
 )
@@ -392,6 +392,11 @@ def _edited(state: dict, change) -> dict:
 EDITS = {
     "no epoch": (lambda state: state.pop("epoch"), "the state_dict's 'epoch' is missing or not an int"),
     "negative epoch": (lambda state: state.update(epoch=-1), "the state_dict's 'epoch' is negative: -1"),
+    "bool epoch": (lambda state: state.update(epoch=True), "the state_dict's 'epoch' is missing or not an int"),
+    "bool emitted": (
+        lambda state: next(iter(state["shards"].values())).update(emitted=True),
+        "has no count 'emitted' of at least 0: True",
+    ),
     "negative emitted": (
         lambda state: next(iter(state["shards"].values())).update(emitted=-3),
         "has no count 'emitted' of at least 0: -3",
@@ -514,6 +519,10 @@ def _layout() -> packfn.PackedSequenceLayout:
         (torch.int64, 2**53 + 1, "fill=9007199254740993 does not pass exactly as the op's float64 scalar"),
         (torch.int64, 2**63 - 1, "does not pass exactly"),  # as a float64 it is 2**63, which wraps
         (torch.float16, 1e6, "fill=1000000.0 is outside .* the finite values of torch.float16"),
+        (torch.float16, -1e6, r"fill=-1000000.0 is outside \[-65504.0, 65504.0\], the finite values of torch.float16"),
+        (torch.float16, -65520.0, r"fill=-65520.0 is outside \[-65504.0, 65504.0\]"),  # would round to -inf
+        (torch.bfloat16, 1e39, r"fill=1e\+39 is outside .* the finite values of torch.bfloat16"),
+        (torch.bfloat16, -1e39, r"fill=-1e\+39 is outside .* the finite values of torch.bfloat16"),
         (torch.float32, 2**24 + 1, "fill=16777217 is not exactly a value of torch.float32"),
     ],
 )
