@@ -38,17 +38,17 @@ from typing import Any
 import torch
 from torch.nn.attention.flex_attention import BlockMask
 
-from packfn._checks import check_int, check_mask, check_positive_int, check_scalar_fits
+from packfn._checks import check_int, check_mask, check_positive_int, check_scalar_fits, check_tensor
 from packfn._ops import formats as _format_ops
 from packfn._ops import masks as _mask_ops
 from packfn._ops._registry import assert_rules
 from packfn._ops.metadata import mask_rules
 from packfn.attention import AttentionInputKind, attention_backend, attention_inputs, passthrough_inputs
 from packfn.data.examples import token_tensor
-from packfn.formats import document_ids_from_seq_lens, ignore_first_tokens, shift_labels
+from packfn.formats import IGNORE_INDEX, document_ids_from_seq_lens, ignore_first_tokens, shift_labels
 from packfn.masks import additive_mask, check_window, checked_block_mask
 
-__all__ = ["PackedCollator", "PackedForward", "apply_packfn", "hf_model_inputs"]
+__all__ = ["PackedCollator", "PackedForward", "apply_packfn", "causal_lm_labels", "hf_model_inputs"]
 
 
 # Models whose use_bidirectional_attention=True makes every layer attend both
@@ -334,6 +334,45 @@ def hf_model_inputs(
     return inputs
 
 
+def causal_lm_labels(document_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Labels for a loss that shifts them itself: ``labels[:, 1:]`` are the targets of ``logits[:, :-1]``.
+
+    transformers' ``LabelSmoother`` (``TrainingArguments(label_smoothing_factor=...)``),
+    a ``Trainer(compute_loss_func=...)`` and TRL's label smoothing read a
+    causal LM's ``labels`` and pair ``logits[:, t]`` with ``labels[:, t + 1]``.
+    On a packed row that asks each document's last token to predict the next
+    document's first; this returns ``shift_labels`` of
+    :func:`hf_model_inputs` moved one column right instead, so the shift
+    gives every token the next token of its own document (across padding
+    inside it) and ``-100`` at each document's last token and at padding.
+    Where no padding sits inside a document, it equals the ``labels``
+    :func:`hf_model_inputs` returns (``-100`` at each first token). For the
+    example mask ``[[1, 1, 2, 2, 2, 0], [1, 1, 1, 1, 0, 0]]`` and labels
+    ``[[1, 2, 3, 4, 5, 0], [6, 7, 8, 9, 0, 0]]``:
+    ``[[-100, 2, -100, 4, 5, -100], [-100, 7, 8, 9, -100, -100]]``.
+
+    Args:
+        document_ids: ``[batch, sequence]`` integer or bool document ids.
+        labels: ``[batch, sequence]`` int32 or int64 labels, unshifted.
+
+    Returns:
+        int64 ``[batch, sequence]``.
+
+    Raises:
+        ValueError: a malformed mask, labels not shaped ``[batch, sequence]``.
+        TypeError: labels not an int32 / int64 tensor.
+        RuntimeError: (a sync-free assert) negative or decreasing ids.
+    """
+    check_mask(document_ids)
+    check_tensor(labels, "labels")
+    _check_labels(labels)
+    labels = passthrough_inputs(document_ids, labels=labels)["labels"].long()
+    parsed = _format_ops.document_positions_op(document_ids)
+    assert_rules(parsed.broken, mask_rules(document_ids.shape[1]))
+    shifted = shift_labels(labels, parsed.next_token)
+    return torch.cat([shifted.new_full((shifted.shape[0], 1), IGNORE_INDEX), shifted[:, :-1]], dim=1)
+
+
 def _attention_masks(
     document_ids: torch.Tensor,
     positions: torch.Tensor,
@@ -473,6 +512,14 @@ class PackedForward:
     ``position_ids`` and ``shift_labels`` are built again from the ids
     (the same values, in the graph), and ``seq_lens``, ``seq_lens_padded``,
     ``documents``, ``document_offsets`` and ``packing_stats`` are dropped.
+    ``input_ids`` may come positionally (``model(tokens, document_ids=ids)``);
+    any other positional argument is a ``TypeError`` naming the parameters
+    to pass by keyword. A key the ids build (``attention_mask``, ...) given
+    as well is a ``ValueError``, unless it is None (PEFT's forward passes
+    ``attention_mask=None``). ``document_ids`` of shape ``[n, batch,
+    sequence]`` (the Trainer's own ``DataLoader`` stacked ``n``
+    ``PackedDataset`` batches) is a ``ValueError`` that names
+    :func:`packfn.integrations.trainer.apply_packfn_to_trainer`.
     Without ``document_ids`` it is the forward it replaced (``generate``
     and unpacked batches are unchanged).
 
@@ -496,23 +543,46 @@ class PackedForward:
             kwargs.pop(key, None)
         if document_ids is None:
             return self._forward(*args, **kwargs)
+        if isinstance(document_ids, torch.Tensor) and document_ids.ndim == 3:
+            # The Trainer's own DataLoader stacked per_device_train_batch_size PackedDataset batches into one.
+            raise ValueError(
+                f"document_ids must have shape [batch, sequence], got {tuple(document_ids.shape)}: a stack of "
+                "packed batches, as the Trainer's own DataLoader collates a PackedDataset's items; call "
+                "apply_packfn_to_trainer(trainer) (packfn.integrations.trainer) before trainer.train()"
+            )
         if len(args) > 1:
-            raise TypeError("with document_ids, pass the model's inputs by keyword (input_ids may be positional)")
+            extra = _positional_names(self.__signature__, len(args))[1:]
+            raise TypeError(
+                f"with document_ids the patched forward takes input_ids as its only positional argument, got "
+                f"{len(args)}: pass {', '.join(extra)} by keyword"
+            )
+        if args and "input_ids" in kwargs:
+            raise TypeError("input_ids was given twice: positionally and by keyword")
         input_ids = args[0] if args else kwargs.pop("input_ids", None)
         labels = kwargs.pop("labels", None)
         for key in _REBUILT:
             kwargs.pop(key, None)
         inputs = hf_model_inputs(document_ids, self.model.config, input_ids=input_ids, labels=labels, **self.options)
-        clash = sorted(inputs.keys() & kwargs.keys())
+        # A wrapper that forwards every argument it has (PEFT passes attention_mask=None) has not given them.
+        clash = sorted(key for key in inputs.keys() & kwargs.keys() if kwargs[key] is not None)
         if clash:
             raise ValueError(f"document_ids build {clash} for the model: pass one or the other, not both")
-        return self._forward(**inputs, **kwargs)
+        return self._forward(**inputs, **{key: value for key, value in kwargs.items() if key not in inputs})
 
     def _forward(self, *args: Any, **kwargs: Any) -> Any:
         """The forward this one replaced: another patch's, or the class's (looked up at call time)."""
         if self.inner is not None:
             return self.inner(*args, **kwargs)
         return type(self.model).forward(self.model, *args, **kwargs)
+
+
+def _positional_names(signature: inspect.Signature, count: int) -> list[str]:
+    """The names of the first ``count`` positional arguments of a call with ``signature``."""
+    names = []
+    for parameter in signature.parameters.values():
+        if parameter.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD):
+            names.append(parameter.name)
+    return [names[index] if index < len(names) else f"positional argument {index + 1}" for index in range(count)]
 
 
 def _packed_signature(forward: Any) -> inspect.Signature:

@@ -37,7 +37,9 @@ are exactly an uninterrupted run's, at the cost of one window per worker
 
 from __future__ import annotations
 
+import copy
 import os
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -46,8 +48,8 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from packfn.data import PackedDataset
 from packfn.data.examples import is_hf_dataset
-from packfn.data.stats import STATS_FIELDS, stats_dict
-from packfn.integrations.hf import PackedForward, apply_packfn
+from packfn.data.stats import STATS_FIELDS, PackingStats, stats_dict
+from packfn.integrations.hf import PackedForward, apply_packfn, causal_lm_labels
 
 __all__ = [
     "LOADER_STATE_NAME",
@@ -89,7 +91,8 @@ class PackedLoader:
     Trainer's passes over an iterable dataset are the dataset's epochs, on
     a resumed run too (the epoch travels in :meth:`state_dict`). The
     Trainer's own ``set_epoch`` calls are not taken (it counts epochs from
-    zero again on a resume).
+    zero again on a resume); :meth:`epoch_progress` says where the loader
+    stands instead.
 
     Args:
         dataset: The packed dataset (its ``rank`` and ``world`` are this process's).
@@ -98,9 +101,9 @@ class PackedLoader:
             persistent: each epoch's workers copy the dataset with its new epoch.
 
     Attributes:
-        stats: The ``packing_stats`` tensors of the batches yielded since
-            :meth:`take_stats` last emptied it.
         epoch: The dataset epoch of the current (or last) iteration.
+        position: The batches of that epoch yielded so far.
+        num_workers: As given.
     """
 
     def __init__(
@@ -116,6 +119,7 @@ class PackedLoader:
         if not isinstance(dataset, PackedDataset):
             raise TypeError(f"PackedLoader reads a packfn.data.PackedDataset, got {type(dataset).__name__}")
         self.dataset = dataset
+        self.num_workers = num_workers
         self._loader_options = {
             "batch_size": None,
             "num_workers": num_workers,
@@ -124,11 +128,14 @@ class PackedLoader:
             "multiprocessing_context": multiprocessing_context if num_workers > 0 else None,
             "timeout": timeout,
         }
-        self.stats: list[torch.Tensor] = []
+        self._stats: torch.Tensor | None = None  # the combined packing_stats since take_stats (one row: bounded)
+        self._stats_batches = 0
+        self._epoch_batches: tuple[int, int | None] | None = None  # (epoch, its batches), counted once an epoch
         self._start_epoch(dataset.epoch)
 
     def _start_epoch(self, epoch: int) -> None:
         self.epoch = epoch
+        self.position = 0
         self.dataset.set_epoch(epoch)
         self._loader = _stateful_dataloader()(self.dataset, **self._loader_options)
         self._finished = False  # the current iteration ran to its end
@@ -142,31 +149,99 @@ class PackedLoader:
             yielded = False
             for batch in self._loader:
                 yielded = True
+                self.position += 1
                 stats = batch.pop("packing_stats", None)
                 if stats is not None:
-                    self.stats.append(stats)
+                    self._add_stats(stats)
                 yield batch
             self._finished = True
             if yielded:
                 return
 
-    def take_stats(self) -> list[torch.Tensor]:
-        """The ``packing_stats`` gathered since the last call (and empty the list)."""
-        stats, self.stats = self.stats, []
-        return stats
+    def _add_stats(self, stats: torch.Tensor) -> None:
+        # Combined as they come (counts summed, the largest documents_max, ratios recomputed): one row however
+        # long nothing takes them (logging_strategy="no", log_stats=False).
+        if self._stats is not None:
+            stats = PackingStats.from_tensor(torch.stack([self._stats, stats])).tensor()
+        self._stats = stats
+        self._stats_batches += 1
+
+    def take_stats(self) -> tuple[torch.Tensor | None, int]:
+        """The packing of the batches yielded since the last call, and how many they are (then forget them).
+
+        Returns:
+            ``(stats, batches)``: their ``packing_stats`` combined (float64
+            ``[len(STATS_FIELDS)]``, as :meth:`packfn.data.PackingStats.from_tensor`
+            combines a stack; None when there were none) and their number.
+        """
+        taken = (self._stats, self._stats_batches)
+        self._stats, self._stats_batches = None, 0
+        return taken
+
+    def epoch_batches(self) -> int | None:
+        """The batches this process's loader yields in the current epoch; None for examples without a length.
+
+        Counted once an epoch by replaying the packing of each of its
+        workers' shards from the documents' lengths (no batch is built).
+        """
+        if self._epoch_batches is None or self._epoch_batches[0] != self.epoch:
+            self._epoch_batches = (self.epoch, _count_batches(self.dataset, self.epoch, self.num_workers))
+        return self._epoch_batches[1]
+
+    def epoch_progress(self) -> float:
+        """Epochs done, fraction included: ``epoch + position / epoch_batches()`` (``epoch`` without a length)."""
+        total = self.epoch_batches()
+        return self.epoch + (min(self.position, total) / total if total else 0.0)
 
     def state_dict(self) -> dict[str, Any]:
         """The loader's progress after the batches it yielded: the epoch and the ``StatefulDataLoader`` state."""
-        return {"epoch": self.epoch, "finished": self._finished, "loader": self._loader.state_dict()}
+        return {
+            "epoch": self.epoch,
+            "position": self.position,
+            "finished": self._finished,
+            "num_workers": self.num_workers,
+            "loader": self._loader.state_dict(),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resume where :meth:`state_dict` was taken (a dataset with the same settings and ``num_workers``)."""
+        """Resume where :meth:`state_dict` was taken (a dataset with the same settings and ``num_workers``).
+
+        Raises:
+            ValueError: the state was saved with another ``num_workers``
+                (``TrainingArguments.dataloader_num_workers``).
+        """
+        if state["num_workers"] != self.num_workers:
+            raise ValueError(
+                f"the loader state was saved with dataloader_num_workers={state['num_workers']} "
+                f"(TrainingArguments), this run has {self.num_workers}: each worker packs its own shard of the "
+                f"documents, so resume with dataloader_num_workers={state['num_workers']}"
+            )
         self._start_epoch(state["epoch"])
-        self.stats = []
+        self.position = state["position"]
+        self._stats, self._stats_batches = None, 0
         if state["finished"]:
             self._finished = True  # the next iteration starts the next epoch
         else:
             self._loader.load_state_dict(state["loader"])
+
+
+def _count_batches(dataset: PackedDataset, epoch: int, num_workers: int) -> int | None:
+    """The batches ``DataLoader(dataset, num_workers=...)`` yields in ``epoch`` in this process (None: no length).
+
+    Reads the loader's own packing replay (``PackedDataset._windows`` over
+    lengths only, as :meth:`PackedDataset.state_after` does), on a copy set
+    to ``epoch`` (the dataset's state and pending resume are left alone).
+    """
+    if dataset.settings()["examples"] is None:
+        return None
+    replay = copy.copy(dataset)
+    replay.set_epoch(epoch)
+    return sum(
+        1
+        for worker in range(max(num_workers, 1))
+        for packed, _, _, _ in replay._windows(replay._shard(worker, num_workers), None, True)
+        if packed is not None
+    )
 
 
 def _checkpoint_file(args: Any, step: int) -> str:
@@ -175,16 +250,21 @@ def _checkpoint_file(args: Any, step: int) -> str:
 
 
 class PackedLoaderCallback(TrainerCallback):
-    """Write the :class:`PackedLoader`'s state into every checkpoint; load it when a run resumes.
+    """Write the :class:`PackedLoader`'s state into every checkpoint; load it when a run resumes; keep the epoch.
 
     ``on_save`` writes ``checkpoint-N/packfn_loader_<process>.pt``;
     ``on_train_begin`` of a run resumed at step ``N`` (from
     ``args.output_dir``'s ``checkpoint-N``, as ``resume_from_checkpoint=True``
     picks it) loads it before the first batch. See NOTE [How a Trainer
-    checkpoint holds the loader].
+    checkpoint holds the loader]. ``on_step_end`` sets the Trainer's
+    ``state.epoch`` (what its logs and checkpoints say) to the loader's
+    :meth:`PackedLoader.epoch_progress`: the Trainer itself, with no length
+    to go by, counts ``step / max_steps``.
 
     Raises:
         FileNotFoundError: a resumed run whose checkpoint holds no loader state.
+        ValueError: a resumed run with another ``dataloader_num_workers``
+            than the checkpoint's.
     """
 
     def on_train_begin(self, args, state, control, train_dataloader=None, **kwargs):
@@ -197,6 +277,10 @@ class PackedLoaderCallback(TrainerCallback):
                 "that a Trainer set up by apply_packfn_to_trainer saved in args.output_dir"
             )
         train_dataloader.load_state_dict(torch.load(path, weights_only=True))
+
+    def on_step_end(self, args, state, control, train_dataloader=None, **kwargs):
+        if isinstance(train_dataloader, PackedLoader):
+            state.epoch = train_dataloader.epoch_progress()
 
     def on_save(self, args, state, control, train_dataloader=None, **kwargs):
         if not isinstance(train_dataloader, PackedLoader):
@@ -242,19 +326,27 @@ class PackingStatsCallback(TrainerCallback):
     def on_log(self, args, state, control, logs=None, train_dataloader=None, **kwargs):
         if self._logging or "loss" not in (logs or {}) or not isinstance(train_dataloader, PackedLoader):
             return
-        stats = train_dataloader.take_stats()
-        if stats:
+        stats, batches = train_dataloader.take_stats()
+        if batches:
             self._logging = True
             try:
-                Trainer.log(self.trainer, packing_logs(torch.stack(stats)))
+                Trainer.log(self.trainer, packing_logs(stats, batches=batches))
             finally:
                 self._logging = False
 
 
-def packing_logs(stats: torch.Tensor) -> dict[str, float]:
-    """The entries :class:`PackingStatsCallback` logs for ``stats``, float ``[batches, len(STATS_FIELDS)]``."""
+def packing_logs(stats: torch.Tensor, *, batches: int | None = None) -> dict[str, float]:
+    """The entries :class:`PackingStatsCallback` logs for ``stats``.
+
+    Args:
+        stats: float ``[batches, len(STATS_FIELDS)]``, a stack of batches'
+            ``packing_stats``, or ``[len(STATS_FIELDS)]``, several combined
+            (:meth:`PackedLoader.take_stats`).
+        batches: How many batches ``stats`` holds (default: its rows).
+    """
     combined = stats_dict(stats)
-    batches = stats.reshape(-1, len(STATS_FIELDS)).shape[0]
+    if batches is None:
+        batches = stats.reshape(-1, len(STATS_FIELDS)).shape[0]
     logs = {}
     for name in STATS_FIELDS:
         if name in _STATIC_STATS:
@@ -282,7 +374,18 @@ def apply_packfn_to_trainer(
       with ``options``) when it is not yet the outermost one: a model not
       patched before, or one whose forward the trainer replaced (TRL's
       ``SFTTrainer`` puts its fused LM head there; packfn's goes on top, so
-      the head's backbone call gets the document masks).
+      the head's backbone call gets the document masks). A PEFT model
+      (``get_peft_model(apply_packfn(model))``) keeps packfn's forward on
+      its base model, under the adapters;
+    - a loss that shifts the labels itself (``label_smoothing_factor``,
+      ``compute_loss_func``, TRL's label smoothing) gets
+      :func:`~packfn.integrations.hf.causal_lm_labels` as ``labels`` (the
+      trainer's ``compute_loss`` sees them): each document's next-token
+      targets, none across a boundary;
+    - the trainer counts ``dataset.batch`` rows a batch in its samples
+      (``train_samples_per_second``, ``Total train batch size``), not
+      ``per_device_train_batch_size``, and its ``epoch`` is the loader's
+      (:meth:`PackedLoader.epoch_progress`).
 
     Call it after constructing the trainer and before ``train()``.
 
@@ -302,9 +405,12 @@ def apply_packfn_to_trainer(
 
     Raises:
         TypeError: no ``PackedDataset`` to train on.
-        ValueError: ``ignore_data_skip`` is False, or the dataset's
-            ``rank`` / ``world`` are not the trainer's process index and
-            world size.
+        ValueError: ``ignore_data_skip`` is False, ``auto_find_batch_size``
+            is True, the dataset's ``rank`` / ``world`` are not the
+            trainer's process index and world size, or
+            ``label_smoothing_factor`` is set for a model that transformers'
+            ``LabelSmoother`` does not shift labels for (a class not in
+            ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``).
     """
     dataset = trainer.train_dataset if dataset is None else dataset
     if not isinstance(dataset, PackedDataset):
@@ -318,14 +424,25 @@ def apply_packfn_to_trainer(
             "set TrainingArguments(ignore_data_skip=True): a resumed run restores packfn's loader from its state "
             "in the checkpoint, and the Trainer's own skip would drop that many batches more"
         )
+    if args.auto_find_batch_size:
+        raise ValueError(
+            "set TrainingArguments(auto_find_batch_size=False): it retries with a smaller "
+            "per_device_train_batch_size, which a PackedDataset (batch rows a batch) does not read"
+        )
     if (dataset.rank, dataset.world) != (args.process_index, args.world_size):
         raise ValueError(
             f"the dataset shards for rank {dataset.rank} of {dataset.world}, the trainer runs process "
             f"{args.process_index} of {args.world_size}: build PackedDataset(..., rank=args.process_index, "
             "world=args.world_size)"
         )
-    if options or not isinstance(trainer.model.__dict__.get("forward"), PackedForward):
-        apply_packfn(trainer.model, **options)
+    model = trainer.model
+    # PEFT's forward runs the adapters and calls its base model's: packfn's forward belongs there.
+    base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
+    patched = next((part for part in (model, base) if isinstance(part.__dict__.get("forward"), PackedForward)), None)
+    if options or patched is None:
+        apply_packfn(patched or base, **options)
+    if trainer.label_smoother is not None and trainer.compute_loss_func is None:
+        _check_label_smoothing(base)
     workers = args.dataloader_num_workers
 
     def get_train_dataloader() -> PackedLoader:
@@ -337,11 +454,41 @@ def apply_packfn_to_trainer(
             multiprocessing_context=getattr(args, "dataloader_multiprocessing_context", None),
         )
 
+    compute_loss, total_train_batch_size = trainer.compute_loss, trainer.get_total_train_batch_size
+
+    def compute_loss_on_documents(model: Any, inputs: dict[str, Any], *rest: Any, **kwargs: Any) -> Any:
+        # The LabelSmoother and compute_loss_func take the batch's labels and shift them themselves: give them
+        # labels whose shift stops at each document's end (the model, given labels, builds shift_labels itself).
+        if (trainer.label_smoother is not None or trainer.compute_loss_func is not None) and all(
+            isinstance(inputs.get(key), torch.Tensor) for key in ("labels", "document_ids")
+        ):
+            inputs = {**inputs, "labels": causal_lm_labels(inputs["document_ids"], inputs["labels"])}
+        return compute_loss(model, inputs, *rest, **kwargs)
+
+    def get_total_train_batch_size(arguments: Any) -> int:
+        # Rows a step: the dataset's batch where the Trainer counts per_device_train_batch_size (x GPUs).
+        return total_train_batch_size(arguments) // arguments.train_batch_size * dataset.batch
+
     trainer.get_train_dataloader = get_train_dataloader
+    trainer.compute_loss = compute_loss_on_documents
+    trainer.get_total_train_batch_size = get_total_train_batch_size
     trainer.add_callback(PackedLoaderCallback())
     if log_stats and dataset.packing_stats:
         trainer.add_callback(PackingStatsCallback(trainer))
     return trainer
+
+
+def _check_label_smoothing(model: Any) -> None:
+    """Refuse label smoothing where transformers' ``LabelSmoother`` would not shift the labels (not a causal LM)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    name = type(model).__name__
+    if name not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values():
+        raise ValueError(
+            f"label_smoothing_factor: transformers' LabelSmoother shifts the labels of the causal LMs it knows "
+            f"(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES), not of {name}, so its targets would be each token's own; "
+            "packfn's labels are a causal LM's: pass Trainer(compute_loss_func=...) that shifts them instead"
+        )
 
 
 def loss_mask_from_trl(dataset: Any, *, completion_only_loss: bool = True) -> Any:
@@ -353,25 +500,42 @@ def loss_mask_from_trl(dataset: Any, *, completion_only_loss: bool = True) -> An
     and ``assistant_masks`` (the assistant's turns,
     ``assistant_only_loss=True``). :class:`packfn.data.PackedDataset`
     reads one ``loss_mask`` column (labels ``-100`` where it is 0): this
-    is their product (and an existing ``loss_mask``'s), int8 per token; the
-    TRL columns are dropped. A dataset with none of them is returned as is.
+    is their product (and an existing ``loss_mask``'s), int8 per token.
+    The masks hold integers or booleans (0 / False: no loss). TRL's
+    columns are always dropped, ``completion_mask`` with
+    ``completion_only_loss=False`` too (it is then left out of the
+    product). A dataset with none of them is returned as is.
 
     Args:
-        dataset: A ``datasets.Dataset`` with ``input_ids`` and the masks.
+        dataset: A ``datasets.Dataset`` with ``input_ids`` and the masks, or
+            a ``datasets.DatasetDict`` of them (each split is converted).
         completion_only_loss: Apply ``completion_mask``.
 
     Returns:
-        The dataset with ``loss_mask``.
+        The dataset (or ``DatasetDict``) with ``loss_mask``.
 
     Raises:
-        TypeError: ``dataset`` is not a ``datasets.Dataset``.
+        TypeError: ``dataset`` is neither a ``datasets.Dataset`` nor a
+            ``datasets.DatasetDict`` of them (a streaming ``IterableDataset``
+            included).
         ValueError: a mask whose length is not its example's ``input_ids``'.
     """
     import pyarrow as pa
     import pyarrow.compute as pc
 
-    if not is_hf_dataset(dataset):
-        raise TypeError(f"dataset must be a datasets.Dataset (TRL's tokenized dataset), got {type(dataset).__name__}")
+    if isinstance(dataset, Mapping) and all(is_hf_dataset(split) for split in dataset.values()):
+        # A DatasetDict (a dict of splits): each split converted, in a dict of the same type.
+        return type(dataset)(
+            {
+                name: loss_mask_from_trl(part, completion_only_loss=completion_only_loss)
+                for name, part in dataset.items()
+            }
+        )
+    if isinstance(dataset, Mapping) or not is_hf_dataset(dataset):
+        raise TypeError(
+            "dataset must be a datasets.Dataset (TRL's tokenized dataset) or a datasets.DatasetDict of them, "
+            f"got {type(dataset).__name__}"
+        )
     columns = dataset.column_names
     trl = [name for name in ("completion_mask", "assistant_masks") if name in columns]
     masks = [name for name in trl if completion_only_loss or name != "completion_mask"]
@@ -387,7 +551,8 @@ def loss_mask_from_trl(dataset: Any, *, completion_only_loss: bool = True) -> An
             column = table.column(name).combine_chunks()
             if not pc.all(pc.equal(pc.list_value_length(column), length)).as_py():
                 raise ValueError(f"{name} must have as many entries as input_ids in every example")
-            values = pc.not_equal(pc.list_flatten(column), 0)
+            flat = pc.list_flatten(column)
+            values = flat if pa.types.is_boolean(flat.type) else pc.not_equal(flat, 0)
             keep = values if keep is None else pc.and_(keep, values)
         offsets = pa.concat_arrays([pa.array([0], pa.int64()), pc.cumulative_sum(pc.cast(length, pa.int64()))])
         loss_mask = pa.LargeListArray.from_arrays(offsets, pc.cast(keep, pa.int8()))

@@ -33,12 +33,19 @@ def document_pieces(batch: dict[str, torch.Tensor]) -> list[tuple[torch.Tensor, 
     return pieces
 
 
-def per_document_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """The mean next-token loss of every document of ``batch`` run alone (targets: its labels that are not -100)."""
+def per_document_loss(
+    model: torch.nn.Module, batch: dict[str, torch.Tensor], label_smoothing: float = 0.0
+) -> torch.Tensor:
+    """The mean next-token loss of every document of ``batch`` run alone (targets: its labels that are not -100).
+
+    ``label_smoothing`` as ``torch.nn.functional.cross_entropy`` takes it (transformers' ``LabelSmoother``'s loss).
+    """
     total, targets = torch.zeros((), dtype=torch.float64), 0
     with torch.no_grad():
         for tokens, labels in document_pieces(batch):
             logits = type(model).forward(model, input_ids=tokens[None]).logits[0, :-1].double()
-            total += torch.nn.functional.cross_entropy(logits, labels[1:], ignore_index=-100, reduction="sum")
+            total += torch.nn.functional.cross_entropy(
+                logits, labels[1:], ignore_index=-100, reduction="sum", label_smoothing=label_smoothing
+            )
             targets += int((labels[1:] != -100).sum())
     return total / targets

@@ -22,7 +22,7 @@ import torch
 import transformers
 
 from packfn.data import PackedDataset
-from packfn.data.stats import PackingStats, stats_dict
+from packfn.data.stats import STATS_FIELDS, PackingStats, stats_dict
 from packfn.integrations.hf import apply_packfn
 from packfn.integrations.trainer import LOADER_STATE_NAME, PackedLoader, apply_packfn_to_trainer, packing_logs
 
@@ -145,7 +145,9 @@ def keys(batches) -> list:
 def test_the_loader_moves_the_stats_aside_and_starts_the_next_epoch():
     loader = PackedLoader(dataset())
     first = list(loader)
-    assert len(loader.take_stats()) == len(first) and not loader.stats
+    stats, batches = loader.take_stats()
+    assert batches == len(first) and stats.shape == (len(STATS_FIELDS),)
+    assert loader.take_stats() == (None, 0)
     assert all("packing_stats" not in batch for batch in first)
     second = list(loader)
     assert loader.epoch == 1

@@ -28,7 +28,7 @@ from hypothesis import strategies as st
 from torch._dynamo.utils import counters
 
 from packfn.data import PackedDataset
-from packfn.integrations.hf import PackedCollator, PackedForward, apply_packfn
+from packfn.integrations.hf import PackedCollator, PackedForward, apply_packfn, causal_lm_labels
 from packfn.integrations.trainer import apply_packfn_to_trainer
 
 from tests.assertions import assert_same
@@ -56,12 +56,29 @@ def tiny_llama(implementation: str = "sdpa", layers: int = 2):
     return transformers.LlamaForCausalLM(config)
 
 
+def packed_dataset(**kwargs) -> PackedDataset:
+    """The shared documents packed 2 rows of SEQUENCE a batch (about a dozen batches an epoch)."""
+    return PackedDataset(documents(), batch=2, sequence=SEQUENCE, max_documents=6, **kwargs)
+
+
 def loader_batches(count: int = 3, **kwargs) -> list[dict[str, torch.Tensor]]:
     """The first ``count`` batches of a PackedDataset over the shared documents (packing_stats included)."""
-    dataset = PackedDataset(documents(), batch=2, sequence=SEQUENCE, max_documents=6, **kwargs)
-    batches = [batch for _, batch in zip(range(count), dataset, strict=False)]
+    batches = [batch for _, batch in zip(range(count), packed_dataset(**kwargs), strict=False)]
     assert len(batches) == count
     return batches
+
+
+def arguments(output_dir, **overrides) -> transformers.TrainingArguments:
+    """TrainingArguments of a short CPU run on packfn's loader: no save, no report, no progress bar."""
+    settings = dict(
+        output_dir=str(output_dir), use_cpu=True, report_to=[], save_strategy="no", ignore_data_skip=True,
+        disable_tqdm=True, seed=0,
+    )  # fmt: skip
+    return transformers.TrainingArguments(**(settings | overrides))
+
+
+def logged(trainer, key: str) -> list[float]:
+    return [entry[key] for entry in trainer.state.log_history if "loss" in entry]
 
 
 def test_collator_builds_static_rows_with_document_ids():
@@ -154,6 +171,47 @@ def test_patched_forward_takes_a_loader_batch_with_the_per_document_loss():
         assert_same(model(tokens).logits, plain(model, tokens).logits)
     with pytest.raises(ValueError, match=r"document_ids build \['attention_mask'\]"):
         model(**batch, attention_mask=torch.ones_like(tokens))
+
+
+def test_patched_forward_takes_input_ids_positionally_and_names_any_other_positional():
+    model = apply_packfn(tiny_llama()).eval()
+    batch = loader_batches(1)[0]
+    tokens, ids, labels = batch["input_ids"], batch["document_ids"], batch["labels"]
+    with torch.no_grad():
+        positional = model(tokens, document_ids=ids, labels=labels)
+        keyword = model(input_ids=tokens, document_ids=ids, labels=labels)
+    assert_same(positional.logits, keyword.logits)
+    assert float(positional.loss) == pytest.approx(float(per_document_loss(model, batch)), rel=1e-5)
+    with pytest.raises(TypeError, match="only positional argument, got 2: pass attention_mask by keyword"):
+        model(tokens, torch.ones_like(tokens), document_ids=ids)
+    with pytest.raises(TypeError, match="got 3: pass attention_mask, position_ids by keyword"):
+        model(tokens, None, None, document_ids=ids)
+    with pytest.raises(TypeError, match="input_ids was given twice"):
+        model(tokens, input_ids=tokens, document_ids=ids)
+
+
+def test_a_none_for_an_input_the_ids_build_is_not_a_clash():
+    """PEFT's forward passes attention_mask=None (and others) on to the model: None is no input given."""
+    model = apply_packfn(tiny_llama()).eval()
+    batch = loader_batches(1)[0]
+    with torch.no_grad():
+        assert_same(model(**batch, attention_mask=None).logits, model(**batch).logits)
+
+
+def test_causal_lm_labels_shift_into_each_documents_targets():
+    """The docstring's example; one-column shifted, they are the batch's shift_labels (none cross a boundary)."""
+    ids = torch.tensor([[1, 1, 2, 2, 2, 0], [1, 1, 1, 1, 0, 0]])
+    labels = torch.tensor([[1, 2, 3, 4, 5, 0], [6, 7, 8, 9, 0, 0]])
+    assert causal_lm_labels(ids, labels).tolist() == [[-100, 2, -100, 4, 5, -100], [-100, 7, 8, 9, -100, -100]]
+    batch = loader_batches(1)[0]
+    shifted = causal_lm_labels(batch["document_ids"], batch["labels"].int())
+    assert shifted.dtype == torch.int64
+    assert_same(shifted[:, 1:], batch["shift_labels"][:, :-1])
+    assert bool((batch["shift_labels"][:, -1] == -100).all())
+    with pytest.raises(TypeError, match=r"labels must be a torch\.Tensor, got NoneType"):
+        causal_lm_labels(ids, None)
+    with pytest.raises(ValueError, match=r"labels must have the shape of document_ids \(2, 6\), got \(2, 5\)"):
+        causal_lm_labels(ids, labels[:, :5])
 
 
 def test_patched_model_compiles_to_one_graph_across_batches_of_new_contents():
@@ -254,6 +312,8 @@ def test_apply_packfn_to_trainer_refuses_a_setup_that_cannot_resume(tmp_path):
     other_rank = PackedDataset(documents(), batch=2, sequence=SEQUENCE, max_documents=6, rank=1, world=2)
     with pytest.raises(ValueError, match=r"rank=args\.process_index"):
         apply_packfn_to_trainer(trainer(ignore_data_skip=True), dataset=other_rank)
+    with pytest.raises(ValueError, match=r"auto_find_batch_size=False"):
+        apply_packfn_to_trainer(trainer(ignore_data_skip=True, auto_find_batch_size=True))
     patched = apply_packfn_to_trainer(trainer(ignore_data_skip=True), block_size=16)  # an unpatched model is patched
     assert patched.model.forward.options == {"block_size": 16}
 
@@ -272,3 +332,77 @@ def test_trainer_evaluates_a_packed_dataset_one_batch_at_a_time(tmp_path):
     metrics = trainer.evaluate()
     expected = [float(per_document_loss(model, batch)) for batch in evaluation]
     assert metrics["eval_loss"] == pytest.approx(sum(expected) / len(expected), rel=1e-5)
+
+
+def test_apply_packfn_to_trainer_gives_its_options_to_a_model_already_patched(tmp_path):
+    model = apply_packfn(tiny_llama(), block_size=32)
+    trainer = transformers.Trainer(model=model, args=arguments(tmp_path, max_steps=1), train_dataset=packed_dataset())
+    apply_packfn_to_trainer(trainer, block_size=16)
+    assert model.forward.options == {"block_size": 16} and model.forward.inner is None  # one packfn layer
+    apply_packfn_to_trainer(trainer)  # no options: the patch keeps its own
+    assert model.forward.options == {"block_size": 16}
+
+
+def test_training_without_apply_packfn_to_trainer_names_the_missing_call(tmp_path):
+    """The Trainer's own DataLoader stacks per_device_train_batch_size (8) packed batches into one."""
+    trainer = transformers.Trainer(
+        model=apply_packfn(tiny_llama(layers=1)), args=arguments(tmp_path, max_steps=1), train_dataset=packed_dataset()
+    )
+    with pytest.raises(ValueError, match=rf"got \(8, 2, {SEQUENCE}\).*call apply_packfn_to_trainer\(trainer\)"):
+        trainer.train()
+
+
+def shifted_cross_entropy(outputs, labels, num_items_in_batch=None):
+    """A compute_loss_func as one is written for a causal LM: it shifts the labels itself."""
+    logits = outputs.logits[:, :-1].flatten(0, 1).float()
+    total = torch.nn.functional.cross_entropy(logits, labels[:, 1:].flatten(), ignore_index=-100, reduction="sum")
+    return total / num_items_in_batch
+
+
+@pytest.mark.parametrize("loss", ["label_smoothing_factor", "compute_loss_func"])
+def test_losses_that_shift_the_labels_themselves_train_on_each_documents_targets(tmp_path, loss):
+    """The Trainer pops labels before the forward and shifts the batch's own: no target may cross a document."""
+    model = tiny_llama(layers=1)
+    smoothing = 0.1 if loss == "label_smoothing_factor" else 0.0
+    expected = [float(per_document_loss(model, batch, label_smoothing=smoothing)) for batch in loader_batches(2)]
+    trainer = transformers.Trainer(
+        model=apply_packfn(model),
+        args=arguments(tmp_path, max_steps=2, logging_steps=1, learning_rate=0.0, label_smoothing_factor=smoothing),
+        train_dataset=packed_dataset(),
+        compute_loss_func=shifted_cross_entropy if loss == "compute_loss_func" else None,
+    )
+    apply_packfn_to_trainer(trainer)
+    trainer.train()
+    assert logged(trainer, "loss") == pytest.approx(expected, rel=1e-5)
+
+
+def test_label_smoothing_is_refused_where_transformers_would_not_shift_the_labels(tmp_path):
+    class Scorer(transformers.LlamaForCausalLM):  # not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES: LabelSmoother won't shift
+        pass
+
+    def trainer(**overrides):
+        return transformers.Trainer(
+            model=Scorer(tiny_llama().config), args=arguments(tmp_path, max_steps=1, label_smoothing_factor=0.1),
+            train_dataset=packed_dataset(), **overrides,
+        )  # fmt: skip
+
+    with pytest.raises(ValueError, match=r"label_smoothing_factor: .* not of Scorer"):
+        apply_packfn_to_trainer(trainer())
+    apply_packfn_to_trainer(trainer(compute_loss_func=shifted_cross_entropy))  # a loss that shifts them itself
+
+
+def test_the_trainer_logs_the_datasets_epoch_and_counts_its_rows_as_samples(tmp_path):
+    """Without a length, the Trainer would log step / max_steps as the epoch and count per_device_train_batch_size."""
+    per_epoch = sum(1 for _ in packed_dataset())
+    assert per_epoch > 3
+    trainer = transformers.Trainer(
+        model=apply_packfn(tiny_llama(layers=1)), args=arguments(tmp_path, max_steps=3, logging_steps=1),
+        train_dataset=packed_dataset(),
+    )  # fmt: skip
+    apply_packfn_to_trainer(trainer)
+    metrics = trainer.train().metrics
+    assert logged(trainer, "epoch") == pytest.approx([1 / per_epoch, 2 / per_epoch, 3 / per_epoch])
+    assert trainer.state.epoch == pytest.approx(3 / per_epoch)
+    assert trainer.get_total_train_batch_size(trainer.args) == 2  # the dataset's rows, not the default 8
+    # 3 steps of 2 rows; the metrics are rounded (runtime to 4 decimals, samples per second to 3).
+    assert metrics["train_samples_per_second"] * metrics["train_runtime"] == pytest.approx(6, rel=1e-3)
