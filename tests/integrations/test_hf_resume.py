@@ -39,7 +39,7 @@ def dataset() -> PackedDataset:
 class Run(transformers.TrainerCallback):
     """One Trainer run: the documents of every batch the model trained on, its logs, its logits at each save."""
 
-    def __init__(self, output_dir: Path, resume: bool = False) -> None:
+    def __init__(self, output_dir: Path, resume: bool = False, workers: int = 2) -> None:
         self.batches: list[dict] = []  # per forward: the step it belongs to, its documents and real tokens
         self.saved: dict[int, torch.Tensor] = {}
         model = apply_packfn(tiny_llama())
@@ -47,7 +47,7 @@ class Run(transformers.TrainerCallback):
         arguments = transformers.TrainingArguments(
             output_dir=str(output_dir), use_cpu=True, report_to=["tensorboard"], max_steps=6, save_steps=3,
             logging_steps=2, gradient_accumulation_steps=2, learning_rate=1e-3, ignore_data_skip=True,
-            dataloader_num_workers=2, disable_tqdm=True, seed=0,
+            dataloader_num_workers=workers, disable_tqdm=True, seed=0,
         )  # fmt: skip
         self.trainer = transformers.Trainer(model=model, args=arguments, train_dataset=dataset(), callbacks=[self])
         apply_packfn_to_trainer(self.trainer)
@@ -107,6 +107,29 @@ def test_a_resumed_run_trains_on_the_documents_of_an_uninterrupted_one(runs):
         resumed.trainer.model.state_dict().items(), uninterrupted.trainer.model.state_dict().items(), strict=True
     ):
         torch.testing.assert_close(value, other, msg=name)
+
+
+def test_the_logged_epoch_is_the_loaders_across_its_epoch_end_and_the_resume(runs):
+    """13 batches: epoch 0's (a 2-worker DataLoader over the shuffled dataset) then the rest of epoch 1's."""
+    uninterrupted, resumed, _ = runs
+    counts = []
+    for epoch in (0, 1):
+        reference = dataset()
+        reference.set_epoch(epoch)
+        counts.append(sum(1 for _ in torch.utils.data.DataLoader(reference, batch_size=None, num_workers=2)))
+    first, second = counts
+    assert first < 13 < first + second
+    epochs = {entry["step"]: entry["epoch"] for entry in uninterrupted.trainer.state.log_history if "loss" in entry}
+    assert epochs == pytest.approx({2: 4 / first, 4: 8 / first, 6: 1 + (13 - first) / second})
+    again = {entry["step"]: entry["epoch"] for entry in resumed.trainer.state.log_history if "loss" in entry}
+    assert again == pytest.approx(epochs)  # the history before checkpoint-3 comes with it
+
+
+def test_resuming_with_another_number_of_workers_names_dataloader_num_workers(runs, tmp_path):
+    _, _, folder = runs
+    shutil.copytree(folder / "checkpoint-3", tmp_path / "checkpoint-3")
+    with pytest.raises(ValueError, match=r"saved with dataloader_num_workers=2 .*this run has 0"):
+        Run(tmp_path, resume=True, workers=0)
 
 
 def test_packing_stats_are_logged_beside_the_loss_averaged_over_each_interval(runs):
@@ -187,6 +210,29 @@ def test_a_state_mid_epoch_resumes_where_it_was_taken(workers):
     restored = PackedLoader(dataset(), num_workers=workers)
     restored.load_state_dict(state)
     assert head + keys(restored) == everything
+
+
+@pytest.mark.parametrize(("saved", "resumed"), [(0, 2), (2, 0), (2, 3), (0, 1)])
+def test_a_loader_state_loads_only_with_its_number_of_workers(saved, resumed):
+    loader = PackedLoader(dataset(), num_workers=saved)
+    next(iter(loader))
+    state = loader.state_dict()
+    with pytest.raises(ValueError, match=rf"dataloader_num_workers={saved} .*this run has {resumed}"):
+        PackedLoader(dataset(), num_workers=resumed).load_state_dict(state)
+
+
+def test_the_loader_keeps_one_combined_stats_row_however_long_nothing_takes_them():
+    """logging_strategy="no" or log_stats=False: nothing takes them, and they must not grow with the run."""
+    loader = PackedLoader(dataset())
+    yielded = list(loader) + list(loader)  # two epochs
+    stats, batches = loader.take_stats()
+    assert batches == len(yielded) and stats.shape == (len(STATS_FIELDS),)
+    each = []
+    for epoch in (0, 1):
+        reference = dataset()
+        reference.set_epoch(epoch)
+        each += [batch["packing_stats"] for batch in reference]
+    assert packing_logs(stats, batches=batches) == pytest.approx(packing_logs(torch.stack(each)))
 
 
 def test_packing_logs_average_the_counts_and_combine_the_ratios():

@@ -75,6 +75,63 @@ def test_loss_mask_is_the_product_of_trls_masks():
         loss_mask_from_trl(wrong)
     with pytest.raises(TypeError, match=r"dataset must be a datasets\.Dataset .*, got list"):
         loss_mask_from_trl([{"input_ids": [5, 6], "completion_mask": [0, 1]}])
+    with pytest.raises(TypeError, match=r"or a datasets\.DatasetDict of them, got IterableDataset"):
+        loss_mask_from_trl(examples.to_iterable_dataset())
+
+
+def test_completion_only_loss_false_drops_the_completion_mask_it_leaves_out():
+    """Only completion_mask, not applied: no loss_mask (every token takes a loss) and no TRL column left."""
+    examples = datasets.Dataset.from_dict({"input_ids": [[5, 6, 7]], "completion_mask": [[0, 1, 1]]})
+    assert loss_mask_from_trl(examples, completion_only_loss=False).to_dict() == {"input_ids": [[5, 6, 7]]}
+    with_mask = examples.add_column("loss_mask", [[1, 1, 0]])
+    assert loss_mask_from_trl(with_mask, completion_only_loss=False).to_dict() == {
+        "input_ids": [[5, 6, 7]], "loss_mask": [[1, 1, 0]]
+    }  # fmt: skip
+
+
+def test_loss_mask_from_trl_converts_every_split_of_a_dataset_dict():
+    splits = datasets.DatasetDict(
+        train=datasets.Dataset.from_dict({"input_ids": [[5, 6, 7]], "completion_mask": [[0, 1, 1]]}),
+        test=datasets.Dataset.from_dict({"input_ids": [[8, 9]], "assistant_masks": [[1, 0]]}),
+    )
+    converted = loss_mask_from_trl(splits)
+    assert isinstance(converted, datasets.DatasetDict)
+    assert {name: split.to_dict() for name, split in converted.items()} == {
+        "train": {"input_ids": [[5, 6, 7]], "loss_mask": [[0, 1, 1]]},
+        "test": {"input_ids": [[8, 9]], "loss_mask": [[1, 0]]},
+    }
+    assert loss_mask_from_trl(splits, completion_only_loss=False)["train"].column_names == ["input_ids"]
+
+
+@pytest.mark.parametrize("column", ["completion_mask", "assistant_masks", "loss_mask"])
+def test_loss_mask_from_trl_reads_boolean_masks(column):
+    """Each mask as booleans (False: no loss), beside an integer one."""
+    other = "completion_mask" if column == "assistant_masks" else "assistant_masks"
+    examples = datasets.Dataset.from_dict(
+        {"input_ids": [[5, 6, 7], [8, 9]], column: [[False, True, True], [True, False]], other: [[1, 0, 1], [1, 1]]}
+    )
+    converted = loss_mask_from_trl(examples).to_dict()
+    assert converted == {"input_ids": [[5, 6, 7], [8, 9]], "loss_mask": [[0, 0, 1], [1, 0]]}
+
+
+def test_sft_trainer_label_smoothing_trains_on_each_documents_targets(tmp_path):
+    """TRL's label smoothing (deprecated in SFTTrainer, still there) hands the LabelSmoother the batch's labels."""
+    examples = loss_mask_from_trl(tokenized())
+    model = tiny_llama()
+    expected = [
+        float(per_document_loss(model, batch, label_smoothing=0.1))
+        for _, batch in zip(range(2), packed(examples), strict=False)
+    ]
+    arguments = trl.SFTConfig(
+        output_dir=str(tmp_path), use_cpu=True, report_to=[], max_steps=2, logging_steps=1, learning_rate=0.0,
+        save_strategy="no", bf16=False, gradient_checkpointing=False, ignore_data_skip=True, disable_tqdm=True,
+        dataset_kwargs={"skip_prepare_dataset": True}, seed=0, label_smoothing_factor=0.1,
+    )  # fmt: skip
+    trainer = trl.SFTTrainer(model=model, args=arguments, train_dataset=examples, processing_class=tokenizer())
+    apply_packfn_to_trainer(trainer, packed(examples))
+    trainer.train()
+    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    assert losses == pytest.approx(expected, rel=1e-5)
 
 
 def test_sft_trainer_trains_on_packed_batches_with_the_per_document_completion_loss(tmp_path):
