@@ -10,14 +10,15 @@ Plain host Python for a data loader's workers (no op, no graph):
   (read by :mod:`packfn.data.examples`), sharded and resumable;
 - :mod:`packfn.data.stats`: :class:`PackingStats` of a batch (fill,
   documents per row, split pieces, what closed each row), which every
-  loader batch carries as ``packing_stats``.
+  loader batch carries as ``packing_stats``, and :class:`FillWarning`, which
+  the loader gives when the cap or the budget throws fill away.
 """
 
 from packfn.data.batch import CLOSED_BY, PackedBatch, Piece, Pieces
 from packfn.data.fit import STRATEGIES
 from packfn.data.loader import BATCH_KEYS, IGNORE_INDEX, PackedDataset
 from packfn.data.packer import pack_documents, pack_stream
-from packfn.data.stats import STATS_FIELDS, PackingStats, packing_stats, stats_dict
+from packfn.data.stats import STATS_FIELDS, FillWarning, PackingStats, packing_stats, stats_dict
 from packfn.data.suggest import BudgetSuggestion, suggest_budgets
 
 __all__ = [
@@ -27,6 +28,7 @@ __all__ = [
     "STATS_FIELDS",
     "STRATEGIES",
     "BudgetSuggestion",
+    "FillWarning",
     "PackedBatch",
     "PackedDataset",
     "PackingStats",

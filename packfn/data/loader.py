@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import warnings
 from collections.abc import Iterator, Mapping
 from typing import Any, NamedTuple
 
@@ -48,7 +49,15 @@ from packfn.data.batch import token_positions
 from packfn.data.examples import IGNORE_INDEX, Examples, Tokens, concatenate, decode_example
 from packfn.data.fit import Items, checked_budgets
 from packfn.data.packer import Carry, Window, batch_and_items, pack_window
-from packfn.data.stats import batch_stats, stats_tensors
+from packfn.data.stats import (
+    FILL_WARNING_ROWS,
+    FillWarning,
+    ThrownFill,
+    batch_stats,
+    fill_warning,
+    stats_tensors,
+    thrown_fill,
+)
 from packfn.formats import shift_labels
 
 __all__ = ["BATCH_KEYS", "IGNORE_INDEX", "PackedDataset"]
@@ -186,6 +195,12 @@ class PackedDataset(IterableDataset):
             ``split=True``) when read, each naming the example (and column);
             a loaded state that does not match the examples
             (:meth:`load_state_dict`) at the first batch.
+
+    Warns:
+        FillWarning: once per dataset, when the rows the cap (or the
+            budget) closed leave more than a tenth of the input columns
+            empty (NOTE [When the cap or the budget throws fill away] in
+            :mod:`packfn.data.stats`).
     """
 
     def __init__(
@@ -229,6 +244,7 @@ class PackedDataset(IterableDataset):
         if shuffle and self._examples.count is None:
             raise ValueError("shuffle=True needs indexable examples (a sequence or a datasets.Dataset)")
         self.epoch = 0
+        self._fill_warned = False  # FillWarning is given once per dataset (per process)
         self._states: dict[str, dict[str, Any]] = {}  # by shard key: the progress of the latest iterators
         self._pending: dict[str, Any] | None = None  # a loaded state the next iterator starts from
 
@@ -533,6 +549,8 @@ class _PackedIterator:
         self.resume: dict[str, Any] | None = None
         self.batches: Iterator | None = None
         self.window_stats: tuple[Window, tuple[torch.Tensor, ...]] | None = None  # the window's packing_stats
+        self.fill_checked: Window | None = None  # the last window counted for FillWarning
+        self.thrown = ThrownFill()  # over the windows counted
         if pending is not None:
             self._resume_from(pending)
         self.state = self.resume or _fresh_state()
@@ -575,11 +593,28 @@ class _PackedIterator:
             packed, rows, store, state = next(self.batches)
             self.state = state
             self.dataset._states[self.shard.key] = state
+            if not self.dataset._fill_warned and (packed is None or packed is not self.fill_checked):
+                self._check_fill(packed)
             if packed is not None:
                 batch = _tensors(packed, rows, store, self.dataset)
                 if self.dataset.packing_stats:
                     batch["packing_stats"] = self._stats(packed, state["emitted"] - 1)
                 return batch
+
+    def _check_fill(self, packed: Window | None) -> None:
+        """Count a new window's rows (None: the iteration's end) and warn once when the cap or the budget threw fill
+        away (NOTE [When the cap or the budget throws fill away] in :mod:`packfn.data.stats`)."""
+        budgets = self.dataset._budgets
+        if packed is not None:
+            self.fill_checked = packed
+            if packed.batches:
+                self.thrown = self.thrown.plus(thrown_fill(packed.plan, torch.cat(packed.batches), budgets))
+            if self.thrown.rows < FILL_WARNING_ROWS:
+                return
+        message = fill_warning(self.thrown, budgets)
+        if message is not None:
+            self.dataset._fill_warned = True
+            warnings.warn(f"PackedDataset: {message}", FillWarning, stacklevel=3)
 
     def _stats(self, packed: Window, index: int) -> torch.Tensor:
         """``packing_stats`` of batch ``index`` of a packed window: the window's batches are counted at once."""

@@ -27,9 +27,24 @@ from typing import NamedTuple
 import torch
 
 from packfn._checks import check_tensor
-from packfn.data.batch import CLOSED_BY, PackedBatch
+from packfn._utils import round_up
+from packfn.data.batch import CLOSED_BUDGET, CLOSED_BY, CLOSED_DOCUMENTS, PackedBatch
+from packfn.data.fit import Budgets, Plan
 
-__all__ = ["STATS_FIELDS", "PackingStats", "batch_stats", "packing_stats", "stats_dict", "stats_tensors"]
+__all__ = [
+    "FILL_WARNING_ROWS",
+    "FILL_WARNING_SHARE",
+    "STATS_FIELDS",
+    "FillWarning",
+    "PackingStats",
+    "ThrownFill",
+    "batch_stats",
+    "fill_warning",
+    "packing_stats",
+    "stats_dict",
+    "stats_tensors",
+    "thrown_fill",
+]
 
 _RATIOS = ("fill", "aligned_fill", "documents_mean")
 _CLOSED_FIELDS = tuple(f"closed_{reason}" for reason in CLOSED_BY)
@@ -259,3 +274,104 @@ def stats_dict(values: torch.Tensor | PackingStats) -> dict[str, int | float]:
     """
     stats = values if isinstance(values, PackingStats) else PackingStats.from_tensor(values)
     return stats._asdict()
+
+
+# NOTE [When the cap or the budget throws fill away]
+# A row closed by the cap (closed_by "documents") or by the budget ("budget")
+# still had input columns for another document of its window. What a looser
+# limit could have filled there is the row's input columns beyond its
+# documents' spans and aligned widths: sequence - max(spans, aligned sizes).
+# Under a budget of at least the row length (the default) a row the budget
+# closed has less than one aligned document there, the slack of any full
+# row, and under a cap that suits the lengths (suggest_budgets' costs under
+# 1% of the rows) few rows close at the cap; a cap too small for the
+# lengths, or a budget narrower than the row, leaves most of each row there.
+# The loader adds these columns up over the rows its windows send (a small
+# window's few rows say little alone) and, once it has sent
+# FILL_WARNING_ROWS rows or at the end of an iteration, warns (FillWarning,
+# once per dataset) when the rows one limit closed leave more than
+# FILL_WARNING_SHARE of the input columns empty, naming that limit.
+
+FILL_WARNING_SHARE = 0.1
+"""The share of the input columns that the rows closed by the cap (or by the budget) may leave empty before
+:class:`~packfn.data.PackedDataset` warns (NOTE [When the cap or the budget throws fill away])."""
+
+FILL_WARNING_ROWS = 64
+"""The rows the loader sends before it judges :data:`FILL_WARNING_SHARE` (it also judges at the end of an
+iteration)."""
+
+
+class FillWarning(UserWarning):
+    """``max_documents`` or ``budget`` left much of the packed rows empty (the loader warns once per dataset)."""
+
+
+class ThrownFill(NamedTuple):
+    """Input columns the rows closed by the cap and by the budget left empty, among rows sent (counts add up).
+
+    Attributes:
+        rows: Rows sent.
+        real_tokens: Their real tokens.
+        cap_rows, cap_columns: The rows the cap closed, and the input
+            columns they leave empty beyond their documents' spans and
+            aligned widths.
+        budget_rows, budget_columns: The same for the budget.
+    """
+
+    rows: int = 0
+    real_tokens: int = 0
+    cap_rows: int = 0
+    cap_columns: int = 0
+    budget_rows: int = 0
+    budget_columns: int = 0
+
+    def plus(self, other: ThrownFill) -> ThrownFill:
+        return ThrownFill(*(mine + theirs for mine, theirs in zip(self, other, strict=True)))
+
+
+def thrown_fill(plan: Plan, rows: torch.Tensor, budgets: Budgets) -> ThrownFill:
+    """:class:`ThrownFill` of ``rows`` (int64 ``[n]``, the rows a window sends) of a window's packing."""
+
+    def per_row(values: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(plan.rows, dtype=torch.int64).index_add_(0, plan.row, values).index_select(0, rows)
+
+    aligned = per_row(round_up(plan.length, budgets.alignment))
+    left = torch.clamp(budgets.sequence - torch.maximum(per_row(plan.span), aligned), min=0)
+    closed = plan.closed.index_select(0, rows)
+    by_cap, by_budget = closed == CLOSED_DOCUMENTS, closed == CLOSED_BUDGET
+    return ThrownFill(
+        rows=rows.shape[0],
+        real_tokens=int(per_row(plan.length).sum()),
+        cap_rows=int(by_cap.sum()),
+        cap_columns=int(torch.where(by_cap, left, 0).sum()),
+        budget_rows=int(by_budget.sum()),
+        budget_columns=int(torch.where(by_budget, left, 0).sum()),
+    )
+
+
+def fill_warning(thrown: ThrownFill, budgets: Budgets) -> str | None:
+    """The warning when the rows one limit closed leave more than :data:`FILL_WARNING_SHARE` of the columns empty.
+
+    Returns:
+        A message naming each such limit, how many rows it closed, the
+        share of the input columns they leave empty and the rows' fill
+        (NOTE [When the cap or the budget throws fill away]); None when
+        neither does, or no row was sent.
+    """
+    columns = thrown.rows * budgets.sequence
+    named = [
+        (f"{limit} closed {rows} of them, leaving {empty / columns:.1%}", advice)
+        for limit, rows, empty, advice in (
+            (f"max_documents={budgets.max_documents}", thrown.cap_rows, thrown.cap_columns, "a larger max_documents"),
+            (f"budget={budgets.budget}", thrown.budget_rows, thrown.budget_columns, "a wider budget"),
+        )
+        if columns and empty > FILL_WARNING_SHARE * columns
+    ]
+    if not named:
+        return None
+    return (
+        f"of the {thrown.rows} rows packed (fill {thrown.real_tokens / columns:.3f} of rows x "
+        f"sequence={budgets.sequence}), {' and '.join(closed for closed, _ in named)} of their input columns empty "
+        f"while they had room for another document. {' or '.join(advice for _, advice in named).capitalize()} "
+        "fills them: packfn.suggest_budgets proposes a cap and a budget from a sample of the document lengths "
+        "(docs/packer.md, 'When the cap or the budget throws fill away')"
+    )

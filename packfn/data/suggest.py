@@ -51,9 +51,10 @@ def suggest_budgets(
 ) -> BudgetSuggestion:
     """Propose a ``budget`` and the smallest ``max_documents`` that costs under ``tolerance`` of the fill.
 
-    A cap too small for the length distribution silently collapses fill (at
+    A cap too small for the length distribution collapses fill (at
     ``max_documents=16``, rows of 8192 columns hold about 1,500 tokens of
-    documents averaging 96); a budget no wider than the row loses what
+    documents averaging 96; the loader warns of it with
+    :class:`~packfn.data.FillWarning`); a budget no wider than the row loses what
     alignment rounds away. This packs a sample of lengths (best fit,
     ``split=True``) a few times over:
 

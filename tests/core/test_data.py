@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import warnings
 from unittest import mock
 
 import pytest
@@ -12,9 +13,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch.utils.data import DataLoader
 
-from packfn import aligned_layout, packed_position_ids, varlen_metadata
-from packfn.data import BATCH_KEYS, IGNORE_INDEX, PackedDataset
+from packfn import aligned_layout, packed_position_ids, suggest_budgets, varlen_metadata
+from packfn.data import BATCH_KEYS, IGNORE_INDEX, FillWarning, PackedDataset
 from packfn.data import loader as data_module
+from packfn.data.stats import FILL_WARNING_SHARE
 
 from tests.strategies_packer import budgets, token_documents
 
@@ -22,6 +24,9 @@ with contextlib.suppress(ImportError):  # imported at collection, before a test 
     import datasets  # noqa: F401
 
 HYPOTHESIS = settings(max_examples=25, suppress_health_check=[HealthCheck.too_slow])
+# The strategies draw caps and budgets as small as 1, where the loader's FillWarning is right; the tests of the
+# warning record it themselves.
+pytestmark = pytest.mark.filterwarnings("ignore::packfn.data.FillWarning")
 SMALL = {"batch": 2, "sequence": 24, "max_documents": 4, "alignment": 4, "window": 7}
 
 
@@ -226,6 +231,61 @@ def test_a_re_iterable_that_is_not_a_sequence_resumes_by_skipping():
     restored = PackedDataset(Examples(), **SMALL)
     restored.load_state_dict(dataset.state_dict())
     assert_same_batches(uninterrupted, head + list(restored))
+
+
+# ------------------------------------------------------------------ a cap or a budget that throws fill away
+
+
+def _exponential(count: int, mean: int) -> list[list[int]]:
+    lengths = torch.empty(count).exponential_(1 / mean, generator=torch.Generator().manual_seed(0)).ceil()
+    return [[7] * int(length) for length in lengths]
+
+
+def _fill_warnings(dataset: PackedDataset, iterations: int = 1) -> list[warnings.WarningMessage]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(iterations):
+            batches = list(dataset)
+            assert len(batches) > 1
+    return [warning for warning in caught if issubclass(warning.category, FillWarning)]
+
+
+def test_a_cap_too_small_for_the_lengths_warns_once_naming_it():
+    # 200 documents of mean 16 in rows of 256 under a cap of 1: 4 windows of 50, 25 batches, twice.
+    dataset = PackedDataset(_exponential(200, 16), batch=8, sequence=256, max_documents=1, window=50)
+    (warning,) = _fill_warnings(dataset, iterations=2)
+    message = str(warning.message)
+    assert message.startswith("PackedDataset: of the "), message
+    assert "max_documents=1 closed " in message and "A larger max_documents fills them" in message
+    assert "budget=" not in message.split(". ")[0]
+    fill = float(message.split("(fill ")[1].split()[0])
+    assert 0 < fill < 1 - FILL_WARNING_SHARE
+    assert warning.filename == __file__  # it points at the loop that iterates
+
+
+def test_a_budget_narrower_than_the_row_warns_once_naming_it():
+    dataset = PackedDataset(
+        _exponential(400, 16), batch=4, sequence=256, max_documents=64, budget=64, split=True, window=50
+    )
+    (warning,) = _fill_warnings(dataset)
+    message = str(warning.message)
+    assert "budget=64 closed " in message and "A wider budget fills them" in message
+    assert "max_documents=" not in message
+
+
+def test_a_cap_and_a_budget_that_suit_the_lengths_do_not_warn():
+    documents = _exponential(400, 16)
+    suggestion = suggest_budgets([len(document) for document in documents], sequence=256, alignment=16)
+    dataset = PackedDataset(
+        documents,
+        batch=4,
+        sequence=256,
+        alignment=16,
+        max_documents=suggestion.max_documents,
+        budget=suggestion.budget,
+        window=200,
+    )
+    assert _fill_warnings(dataset) == []
 
 
 # ------------------------------------------------------------------ an HF dataset

@@ -170,6 +170,7 @@ def loader_cases(draw):
 
 @HYPOTHESIS
 @given(loader_cases())
+@pytest.mark.filterwarnings("ignore::packfn.data.FillWarning")  # drawn caps as small as 1 throw fill away
 def test_every_loader_batch_carries_its_stats(case):
     """The key against a reference read from the batch's own keys, with ``closed_by`` from ``pack_stream``."""
     kwargs, lengths = case
