@@ -115,8 +115,12 @@ def test_loss_mask_from_trl_reads_boolean_masks(column):
 
 
 def test_sft_trainer_label_smoothing_trains_on_each_documents_targets(tmp_path):
-    """TRL's label smoothing (deprecated in SFTTrainer, still there) hands the LabelSmoother the batch's labels."""
-    examples = loss_mask_from_trl(tokenized())
+    """TRL's label smoothing (deprecated in SFTTrainer, still there) hands the LabelSmoother the batch's labels.
+
+    The assistant masks alone: each document's first token takes a loss, so a shift of the batch's labels
+    would ask the document before it to predict it.
+    """
+    examples = loss_mask_from_trl(tokenized(), completion_only_loss=False)
     model = tiny_llama()
     expected = [
         float(per_document_loss(model, batch, label_smoothing=0.1))
