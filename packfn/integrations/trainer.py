@@ -65,6 +65,8 @@ LOADER_STATE_NAME = "packfn_loader_{process}.pt"
 """The file of a checkpoint folder that holds one process's :meth:`PackedLoader.state_dict`."""
 
 _STATIC_STATS = ("rows", "columns", "aligned_columns")
+_DOCUMENTS_MAX = STATS_FIELDS.index("documents_max")
+_SUMMED = [index for index in range(len(STATS_FIELDS)) if index != _DOCUMENTS_MAX]
 _RATIO_STATS = ("fill", "aligned_fill", "documents_mean", "documents_max")
 
 
@@ -159,11 +161,14 @@ class PackedLoader:
                 return
 
     def _add_stats(self, stats: torch.Tensor) -> None:
-        # Combined as they come (counts summed, the largest documents_max, ratios recomputed): one row however
-        # long nothing takes them (logging_strategy="no", log_stats=False).
-        if self._stats is not None:
-            stats = PackingStats.from_tensor(torch.stack([self._stats, stats])).tensor()
-        self._stats = stats
+        # Summed as they come, documents_max the largest: one row however long nothing takes them
+        # (logging_strategy="no", log_stats=False). The summed ratios mean nothing: take_stats recomputes them.
+        stats = stats.to(torch.float64)
+        if self._stats is None:
+            self._stats = stats.clone()
+        else:
+            self._stats[_DOCUMENTS_MAX] = torch.maximum(self._stats[_DOCUMENTS_MAX], stats[_DOCUMENTS_MAX])
+            self._stats[_SUMMED] += stats[_SUMMED]
         self._stats_batches += 1
 
     def take_stats(self) -> tuple[torch.Tensor | None, int]:
@@ -174,7 +179,8 @@ class PackedLoader:
             ``[len(STATS_FIELDS)]``, as :meth:`packfn.data.PackingStats.from_tensor`
             combines a stack; None when there were none) and their number.
         """
-        taken = (self._stats, self._stats_batches)
+        stats = None if self._stats is None else PackingStats.from_tensor(self._stats).tensor()
+        taken = (stats, self._stats_batches)
         self._stats, self._stats_batches = None, 0
         return taken
 
