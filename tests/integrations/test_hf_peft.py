@@ -2,8 +2,8 @@
 
 PEFT's forward runs the adapters and calls its base model's forward (packfn's)
 with every argument it has, ``attention_mask=None`` among them. One run
-(4 steps, a checkpoint at 2) and one resumed from a copy of its
-``checkpoint-2`` (real ``peft``, a tiny Llama from a config): every step's
+(2 steps, a checkpoint at 1) and one resumed from a copy of its
+``checkpoint-1`` (real ``peft``, a tiny Llama from a config): every step's
 loss is the loss of each document run alone through the adapted model, the
 adapter saves and loads, and the resumed run ends on the same adapter weights.
 """
@@ -49,7 +49,7 @@ class Run:
         self.model = lora(apply_packfn(tiny_llama()))
         self.model.register_forward_pre_hook(self._reference, with_kwargs=True)
         arguments = transformers.TrainingArguments(
-            output_dir=str(output_dir), use_cpu=True, report_to=[], max_steps=4, save_steps=2, logging_steps=1,
+            output_dir=str(output_dir), use_cpu=True, report_to=[], max_steps=2, save_steps=1, logging_steps=1,
             learning_rate=1e-2, ignore_data_skip=True, disable_tqdm=True, seed=0,
         )  # fmt: skip
         self.trainer = transformers.Trainer(model=self.model, args=arguments, train_dataset=dataset())
@@ -67,7 +67,7 @@ def runs(tmp_path_factory) -> tuple[Run, Run, Path]:
     first = tmp_path_factory.mktemp("lora")
     uninterrupted = Run(first)
     second = tmp_path_factory.mktemp("lora-resumed")
-    shutil.copytree(first / "checkpoint-2", second / "checkpoint-2")
+    shutil.copytree(first / "checkpoint-1", second / "checkpoint-1")
     return uninterrupted, Run(second, resume=True), first
 
 
@@ -83,8 +83,8 @@ def test_lora_trains_on_packed_batches_with_the_per_document_loss(runs):
 
 def test_the_adapter_saves_and_loads_on_a_patched_model(runs, tmp_path):
     uninterrupted, _, folder = runs
-    assert (folder / "checkpoint-2" / "adapter_model.safetensors").is_file()
-    assert (folder / "checkpoint-2" / LOADER_STATE_NAME.format(process=0)).is_file()
+    assert (folder / "checkpoint-1" / "adapter_model.safetensors").is_file()
+    assert (folder / "checkpoint-1" / LOADER_STATE_NAME.format(process=0)).is_file()
     uninterrupted.model.save_pretrained(tmp_path)
     loaded = peft.PeftModel.from_pretrained(apply_packfn(tiny_llama()), tmp_path).eval()
     batch = next(iter(dataset()))
@@ -96,7 +96,7 @@ def test_the_adapter_saves_and_loads_on_a_patched_model(runs, tmp_path):
 def test_a_resumed_lora_run_ends_on_the_uninterrupted_runs_adapter(runs):
     uninterrupted, resumed, _ = runs
     assert resumed.losses == pytest.approx(uninterrupted.losses, rel=1e-5)
-    assert list(resumed.losses.values())[2:] == pytest.approx(resumed.expected, rel=1e-5)  # the 2 steps it trained
+    assert list(resumed.losses.values())[1:] == pytest.approx(resumed.expected, rel=1e-5)  # the step it trained
     for (name, value), (_, other) in zip(
         adapters(resumed.model).items(), adapters(uninterrupted.model).items(), strict=True
     ):
