@@ -86,6 +86,7 @@ __all__ = [
     "Driver",
     "MainJobReport",
     "Pipelines",
+    "Progress",
     "TraceSummary",
     "main",
     "make_pipelines",
@@ -507,12 +508,93 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return arguments
 
 
+class Progress:
+    """What the job is doing, on stderr, each line flushed at once: a compile of minutes is never silent.
+
+    :meth:`say` prints a line stamped with the time since the job began.
+    :meth:`start` begins a pass over batches, drawn as a bar of its steps
+    that :meth:`step` advances after each timed step (never inside one): on
+    a terminal the bar is redrawn in place and the step lines on stdout are
+    written above it; elsewhere (a log file, a pipe) each advance is a line.
+    """
+
+    WIDTH = 24
+
+    def __init__(self) -> None:
+        self.began = time.perf_counter()
+        self.label, self.total, self.done = "", 0, 0
+        self.pass_began = self.began
+        self.remaining = False  # show an estimate of the time left (steps of one cost: the timed rounds)
+        self.drawn = False  # a bar is on the terminal's last line
+
+    @staticmethod
+    def _stream():
+        return sys.stderr  # looked up at each write: redirect_stderr (a test) catches it
+
+    def _live(self) -> bool:
+        isatty = getattr(self._stream(), "isatty", None)
+        return bool(isatty and isatty())
+
+    def _stamp(self) -> str:
+        minutes, seconds = divmod(int(time.perf_counter() - self.began), 60)
+        return f"[{minutes:>3}:{seconds:02}]"
+
+    def _clear(self) -> None:
+        if self.drawn:
+            self._stream().write("\r\x1b[K")
+            self._stream().flush()
+            self.drawn = False
+
+    def say(self, message: str) -> None:
+        """A line on stderr: what the job does now."""
+        self._clear()
+        print(f"{self._stamp()} {message}", file=self._stream(), flush=True)
+
+    def start(self, label: str, total: int, *, remaining: bool = False) -> None:
+        """Begin a pass of ``total`` steps, drawn as a bar at 0."""
+        self.label, self.total, self.done, self.remaining = label, total, 0, remaining
+        self.pass_began = time.perf_counter()
+        self._draw()
+
+    def step(self) -> None:
+        """One step of the pass done: advance the bar (the pass ends at ``total``)."""
+        if not self.total:  # no pass begun
+            return
+        self.done += 1
+        self._draw()
+        if self.done >= self.total:
+            self._clear()
+
+    def write(self, line: str) -> None:
+        """A line on stdout (a step's result), above the bar on a terminal."""
+        self._clear()
+        print(line, flush=True)
+
+    def _draw(self) -> None:
+        filled = self.WIDTH * self.done // max(1, self.total)
+        bar = "#" * filled + "." * (self.WIDTH - filled)
+        text = f"{self._stamp()} {self.label} [{bar}] {self.done}/{self.total} steps"
+        if self.remaining and 0 < self.done < self.total:
+            left = (time.perf_counter() - self.pass_began) / self.done * (self.total - self.done)
+            text += f", about {left:.0f} s left"
+        if self._live():
+            self._clear()
+            self._stream().write(text)
+            self._stream().flush()
+            self.drawn = True
+        else:
+            print(text, file=self._stream(), flush=True)
+
+
 class Trainer:
     """One optimizer (AdamW) step per call of :meth:`step`, timed, with a printed line."""
 
-    def __init__(self, model, loss_function, device: torch.device, driver: Driver) -> None:
+    def __init__(
+        self, model, loss_function, device: torch.device, driver: Driver, progress: Progress | None = None
+    ) -> None:
         self.model, self.loss_function, self.device, self.driver = model, loss_function, device, driver
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        self.progress = progress or Progress()
 
     def step(self, batch: Batch) -> None:
         synchronize(self.device)
@@ -527,11 +609,10 @@ class Trainer:
         driver.seconds.append(time.perf_counter() - begin)
         driver.losses.append(value)
         driver.tokens.append(batch.num_tokens)
-        print(
-            f"step {len(driver.seconds) - 1:>3}  {driver.name:<18} loss {value:.4f}  "
-            f"{driver.seconds[-1] * 1e3:9.1f} ms",
-            flush=True,
+        self.progress.write(
+            f"step {len(driver.seconds) - 1:>3}  {driver.name:<18} loss {value:.4f}  {driver.seconds[-1] * 1e3:9.1f} ms"
         )
+        self.progress.step()
 
 
 def _record_compiles(driver: Driver, backend: CountingInductor, before: dict[str, int]) -> None:
@@ -562,11 +643,19 @@ def time_upstream_helpers(batches: list[Batch], alignment: int, minimum_length: 
     return statistics.median(seconds[len(batches) :])
 
 
-def make_pipelines(arguments: argparse.Namespace, config: DecoderConfig, upstream: bool) -> Pipelines:
+def make_pipelines(
+    arguments: argparse.Namespace, config: DecoderConfig, upstream: bool, progress: Progress | None = None
+) -> Pipelines:
     """packfn's first ``--steps`` full batches of the documents, and upstream's neat-packing batches of their pieces."""
+    progress = progress or Progress()
     steps, batch, sequence = arguments.steps, arguments.batch, config.sequence
     wanted = steps * batch * sequence
+    progress.say(f"documents: at least {2 * wanted:,} tokens of {documents_source(arguments)} ...")
     documents = training_documents(arguments, 2 * wanted)
+    progress.say(
+        f"packing: {steps} batches of {batch} x {sequence} with packfn.data.PackedDataset "
+        f"(max_documents={config.max_documents}, budget={config.length}) ..."
+    )
     kept = sum(1 for _ in itertools.takewhile(lambda total: total < wanted, itertools.accumulate(map(len, documents))))
     while True:  # the shortest prefix of the documents that fills --steps batches
         begin = time.perf_counter()
@@ -589,6 +678,7 @@ def make_pipelines(arguments: argparse.Namespace, config: DecoderConfig, upstrea
     packfn_batches = batches[:steps]
     upstream_batches, upstream_s = [], 0.0
     if upstream:
+        progress.say("packing: the same pieces with NeMo AutoModel's neat packing ...")
         # The same tokens: every piece of packfn's batches (back to back in their rows: no span padding here).
         same = [piece for packed in packfn_batches for piece in pieces(packed.input_ids, packed.seq_lens)]
         neat_packing()  # imported before the clock starts (it imports HF datasets)
@@ -608,6 +698,7 @@ def make_pipelines(arguments: argparse.Namespace, config: DecoderConfig, upstrea
 
 def _profile_packfn(trainer: Trainer, batches: list[Batch], run_dir: Path, device: torch.device) -> None:
     """packfn's first pass over its batches (it compiles), under the profiler."""
+    trainer.progress.start("packfn compiled, first pass (compiling, profiled)", len(batches))
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
@@ -650,7 +741,8 @@ def run(arguments: argparse.Namespace) -> MainJobReport:
         )
     else:
         upstream_status = "run"
-    pipelines = make_pipelines(arguments, config, upstream_status == "run")
+    progress = Progress()
+    pipelines = make_pipelines(arguments, config, upstream_status == "run", progress)
     torch.manual_seed(0)
     model = PackedDecoder(config).to(device)
     worst = safe_budget(config.sequence, config.max_documents, config.alignment)
@@ -671,13 +763,17 @@ def run(arguments: argparse.Namespace) -> MainJobReport:
     backend = CountingInductor()
     drivers[PACKFN] = Driver(PACKFN, warmup_steps=len(pipelines.packfn))
     packfn_loss = torch.compile(packed_loss, backend=backend, fullgraph=True)
-    trainers[PACKFN] = Trainer(copy.deepcopy(model), packfn_loss, device, drivers[PACKFN])
+    trainers[PACKFN] = Trainer(copy.deepcopy(model), packfn_loss, device, drivers[PACKFN], progress)
     run_name = arguments.run_name or (
         f"decoder_b{arguments.batch}_s{arguments.sequence}_h{arguments.hidden}_l{arguments.layers}_"
         f"{time.strftime('%Y%m%d-%H%M%S')}"
     )
     run_dir = arguments.out / run_name
     before = graph_breaks()
+    progress.say(
+        f"packfn compiled: a first pass over its {len(pipelines.packfn)} batches, profiled; its first step compiles "
+        "the training step with torch.compile(fullgraph=True) (minutes on 2 CPU cores, longer under load) ..."
+    )
     _profile_packfn(trainers[PACKFN], pipelines.packfn, run_dir, device)
     _record_compiles(drivers[PACKFN], backend, before)
 
@@ -685,7 +781,10 @@ def run(arguments: argparse.Namespace) -> MainJobReport:
     if upstream_status == "run":
         eager_helpers = arguments.upstream_helpers == "eager"
         # 2. upstream under plain torch.compile: a first pass compiles and recompiles.
-        print("-- upstream helpers under plain torch.compile (graph breaks allowed) --", flush=True)
+        progress.say(
+            f"upstream compiled: a first pass over its {len(pipelines.upstream)} batches under plain torch.compile; "
+            "its first step compiles, and a batch of a new row length recompiles (minutes each on 2 CPU cores) ..."
+        )
         upstream_backend = CountingInductor()
         drivers[UPSTREAM_COMPILED] = Driver(UPSTREAM_COMPILED, warmup_steps=len(pipelines.upstream))
         upstream_compiled = torch.compile(
@@ -693,23 +792,32 @@ def run(arguments: argparse.Namespace) -> MainJobReport:
             backend=upstream_backend,
         )
         trainers[UPSTREAM_COMPILED] = Trainer(
-            copy.deepcopy(model), upstream_compiled, device, drivers[UPSTREAM_COMPILED]
+            copy.deepcopy(model), upstream_compiled, device, drivers[UPSTREAM_COMPILED], progress
         )
         before = graph_breaks()
+        progress.start("upstream compiled, first pass (compiling)", len(pipelines.upstream))
         # Compiled with the same Inductor settings as packfn's graph (kernel profiling hooks included).
         with torch._inductor.config.patch(KERNEL_PROFILE):
             for batch in pipelines.upstream:
                 trainers[UPSTREAM_COMPILED].step(batch)
         drivers[UPSTREAM_EAGER] = Driver(UPSTREAM_EAGER, warmup_steps=1)
         upstream_eager = upstream_loss_function(minimum_length=minimum_length)
-        trainers[UPSTREAM_EAGER] = Trainer(copy.deepcopy(model), upstream_eager, device, drivers[UPSTREAM_EAGER])
+        trainers[UPSTREAM_EAGER] = Trainer(
+            copy.deepcopy(model), upstream_eager, device, drivers[UPSTREAM_EAGER], progress
+        )
         batches[UPSTREAM_COMPILED] = batches[UPSTREAM_EAGER] = pipelines.upstream
 
     # 3. Interleaved rounds, each driver on its own batches, the drivers' order rotating.
     order = [name for name in (UPSTREAM_EAGER, UPSTREAM_COMPILED, PACKFN) if name in trainers]
-    print(f"-- interleaved rounds: {', '.join(order)}, each on its pipeline's batches --", flush=True)
     turns = max(len(values) for values in batches.values())
+    progress.say(
+        f"timed rounds: {arguments.rounds} x {turns} turns of {', '.join(order)}, each on its pipeline's batches, "
+        "their order rotating ..."
+    )
     for turn in range(turns * arguments.rounds):
+        if turn % turns == 0:
+            label = f"timed rounds, round {turn // turns + 1} of {arguments.rounds}"
+            progress.start(label, turns * len(order), remaining=True)
         shift = turn % len(order)
         for name in order[shift:] + order[:shift]:
             trainers[name].step(batches[name][turn % len(batches[name])])
@@ -719,6 +827,7 @@ def run(arguments: argparse.Namespace) -> MainJobReport:
     drivers[PACKFN].frames = backend.frames
 
     # Loss parity: every driver's loss of packfn's first batch, from the initial weights (no step).
+    progress.say("report: loss parity, the upstream helpers' eager time, the trace's summary, the PNG ...")
     first = pipelines.packfn[0]
     parity = {PACKFN: packfn_loss(model, first.input_ids, first.document_ids, first.labels).item()}
     if upstream_status == "run":
@@ -746,6 +855,7 @@ def run(arguments: argparse.Namespace) -> MainJobReport:
     summary = run_dir / "main_job.png"
     if plot_summary(report, summary):
         report.summary_png = str(summary)
+    progress.say("done")
     return report
 
 

@@ -38,13 +38,13 @@ TENSORBOARD_WAIT_S = 90
 
 @pytest.fixture(scope="module")
 def profiled(tmp_path_factory) -> tuple[Path, str]:
-    """Run ``scripts/main_job.py`` once at tiny sizes: ``(out folder, printed output)``."""
+    """Run ``scripts/main_job.py`` once at tiny sizes: ``(out folder, printed output)``, stdout and stderr in order."""
     import contextlib
     import io
 
     out = tmp_path_factory.mktemp("profiles")
     printed = io.StringIO()
-    with contextlib.redirect_stdout(printed):
+    with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(printed):
         argv = [*TINY_MODEL, "--vocab", "64", "--steps", "3", "--rounds", "1", "--out", str(out), "--run-name", "tiny"]
         code = main_job.main(argv)
     assert code == 0
@@ -66,6 +66,34 @@ def test_main_job_writes_a_trace_and_packfn_compiles_once_with_no_graph_break(pr
     assert "0 packfn:: calls" in report  # the compiled step calls back into no packfn op
     for step in range(6):
         assert f"step {step:>3}  packfn compiled" in printed
+
+
+def test_main_job_says_what_it_is_doing_before_each_phase_and_draws_each_pass_as_a_bar(profiled):
+    _, printed = profiled
+    lines = printed[: printed.index("== packfn main job report ==")].splitlines()
+
+    def first(text: str) -> int:
+        return next(index for index, line in enumerate(lines) if text in line)
+
+    # Each phase is announced, stamped with the time since the start, before it runs: the compiles above all.
+    phases = ["] documents: ", "] packing: ", "] packfn compiled: a first pass", "] upstream compiled: a first pass"]
+    phases += ["] timed rounds: ", "] report: ", "] done"]
+    at = [first(phase) for phase in phases]
+    assert at == sorted(at), at
+    assert at[2] < first("step   0  packfn compiled") and at[3] < first("step   0  upstream compiled")
+    assert "compiles" in lines[at[2]] and "compiles" in lines[at[3]]
+    # Each pass is a bar of its steps, from 0 to its total, the step lines between (not a terminal: a line each).
+    passes = [
+        ("packfn compiled, first pass (compiling, profiled)", 3),  # --steps 3
+        ("upstream compiled, first pass (compiling)", None),  # the batches neat packing made
+        ("timed rounds, round 1 of 1", None),
+    ]
+    for label, steps in passes:
+        bars = [line for line in lines if f"] {label} [" in line]
+        total = steps or int(bars[0].rsplit("/", 1)[1].split()[0])
+        assert bars[0].endswith(f"[{'.' * 24}] 0/{total} steps"), bars[0]
+        assert bars[-1].endswith(f"[{'#' * 24}] {total}/{total} steps"), bars[-1]
+        assert len(bars) == total + 1
 
 
 def test_main_job_packs_under_the_packer_budget_not_the_worst_case(profiled):
