@@ -562,8 +562,10 @@ class Progress:
             return
         self.done += 1
         self._draw()
-        if self.done >= self.total:
-            self._clear()
+        if self.done >= self.total and self.drawn:  # keep the finished bar as a line
+            self._stream().write("\n")
+            self._stream().flush()
+            self.drawn = False
 
     def write(self, line: str) -> None:
         """A line on stdout (a step's result), above the bar on a terminal."""
