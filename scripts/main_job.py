@@ -50,7 +50,7 @@ FlexAttention has no backward (torch 2.13 raises NotImplementedError).
 ``--attention flex`` builds :func:`packfn.document_block_mask`
 instead (GPU training; the upstream drivers keep the dense mask).
 
-    python scripts/main_job.py                   # defaults: about two minutes on 2 CPU cores
+    python scripts/main_job.py                   # defaults: under 4 minutes on 2 quiet CPU cores, more under load
     python scripts/main_job.py --steps 12 --sequence 1024 --out profiles
     tensorboard --logdir profiles                # pip install -e '.[profile]'
 """
