@@ -199,8 +199,8 @@ class PackedDataset(IterableDataset):
     Warns:
         FillWarning: once per dataset, when the rows the cap (or the
             budget) closed leave more than a tenth of the input columns
-            empty (NOTE [When the cap or the budget throws fill away] in
-            :mod:`packfn.data.stats`).
+            empty (:func:`packfn.data.stats.fill_warning` has the
+            criterion).
     """
 
     def __init__(
@@ -603,7 +603,7 @@ class _PackedIterator:
 
     def _check_fill(self, packed: Window | None) -> None:
         """Count a new window's rows (None: the iteration's end) and warn once when the cap or the budget threw fill
-        away (NOTE [When the cap or the budget throws fill away] in :mod:`packfn.data.stats`)."""
+        away (:func:`~packfn.data.stats.fill_warning`)."""
         budgets = self.dataset._budgets
         if packed is not None:
             self.fill_checked = packed

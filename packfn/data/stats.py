@@ -276,25 +276,9 @@ def stats_dict(values: torch.Tensor | PackingStats) -> dict[str, int | float]:
     return stats._asdict()
 
 
-# NOTE [When the cap or the budget throws fill away]
-# A row closed by the cap (closed_by "documents") or by the budget ("budget")
-# still had input columns for another document of its window. What a looser
-# limit could have filled there is the row's input columns beyond its
-# documents' spans and aligned widths: sequence - max(spans, aligned sizes).
-# Under a budget of at least the row length (the default) a row the budget
-# closed has less than one aligned document there, the slack of any full
-# row, and under a cap that suits the lengths (suggest_budgets' costs under
-# 1% of the rows) few rows close at the cap; a cap too small for the
-# lengths, or a budget narrower than the row, leaves most of each row there.
-# The loader adds these columns up over the rows its windows send (a small
-# window's few rows say little alone) and, once it has sent
-# FILL_WARNING_ROWS rows or at the end of an iteration, warns (FillWarning,
-# once per dataset) when the rows one limit closed leave more than
-# FILL_WARNING_SHARE of the input columns empty, naming that limit.
-
 FILL_WARNING_SHARE = 0.1
 """The share of the input columns that the rows closed by the cap (or by the budget) may leave empty before
-:class:`~packfn.data.PackedDataset` warns (NOTE [When the cap or the budget throws fill away])."""
+:class:`~packfn.data.PackedDataset` warns (see :func:`fill_warning`)."""
 
 FILL_WARNING_ROWS = 64
 """The rows the loader sends before it judges :data:`FILL_WARNING_SHARE` (it also judges at the end of an
@@ -351,11 +335,30 @@ def thrown_fill(plan: Plan, rows: torch.Tensor, budgets: Budgets) -> ThrownFill:
 def fill_warning(thrown: ThrownFill, budgets: Budgets) -> str | None:
     """The warning when the rows one limit closed leave more than :data:`FILL_WARNING_SHARE` of the columns empty.
 
+    The criterion (docs/packer.md, "When the cap or the budget throws fill
+    away"): a row closed by the cap (``closed_by`` ``"documents"``) or by
+    the budget (``"budget"``) still had input columns for another document
+    of its window. What a looser limit could have filled there is the row's
+    input columns beyond its documents' spans and aligned widths,
+    ``sequence - max(spans, aligned sizes)`` (:func:`thrown_fill`). Under a
+    budget of at least the row length (the default) a row the budget closed
+    has less than one aligned document there, the slack of any full row,
+    and under a cap that suits the lengths few rows close at the cap; a cap
+    too small for the lengths, or a budget narrower than the row, leaves
+    most of each row there. The loader adds these columns up over the rows
+    its windows send (a small window's few rows say little alone) and asks
+    once it has sent :data:`FILL_WARNING_ROWS` rows, and at the end of an
+    iteration; it warns once per dataset.
+
+    Args:
+        thrown: The columns, added up over the rows sent.
+        budgets: The packing's budgets.
+
     Returns:
-        A message naming each such limit, how many rows it closed, the
-        share of the input columns they leave empty and the rows' fill
-        (NOTE [When the cap or the budget throws fill away]); None when
-        neither does, or no row was sent.
+        A message naming each limit whose rows leave more than
+        :data:`FILL_WARNING_SHARE` of the input columns empty, how many rows
+        it closed, that share and the rows' fill; None when neither does,
+        or no row was sent.
     """
     columns = thrown.rows * budgets.sequence
     named = [
