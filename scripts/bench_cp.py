@@ -25,7 +25,7 @@ the ratio ``upstream / variant`` (above 1: faster than upstream).
 ``--family balance`` (one process, no gloo) measures the attention work of
 each sharding instead: on the streams of :data:`STREAMS` (exponential
 lengths packed best fit by ``pack_documents``, 3,000 documents, batches of
-8 rows, as issue 27 measured; and the loader's streaming packer
+8 rows; and the loader's streaming packer
 ``pack_stream`` on the SPEC section 5 means), every batch packed with
 ``pad_to_multiple_of=2 * world * alignment`` and sharded at
 ``budget=sequence`` over ``world`` ranks:
@@ -46,7 +46,7 @@ lengths packed best fit by ``pack_documents``, 3,000 documents, batches of
   the graph that AOTAutograd traces (the static path).
 
     python scripts/bench_cp.py --family balance                # every stream, worlds 2, 4 and 8
-    python scripts/bench_cp.py --family balance --streams "issue mean 300" --worlds 8 --alignment 16
+    python scripts/bench_cp.py --family balance --streams "packed mean 300" --worlds 8 --alignment 16
 """
 
 from __future__ import annotations
@@ -197,9 +197,9 @@ def run_world(world: int, args) -> list[dict]:
 # ------------------------------------------------------------------ the balance family
 
 STREAMS = {
-    "issue mean 8000, S=32768": (8000, 32768, "documents"),
-    "issue mean 800, S=32768": (800, 32768, "documents"),
-    "issue mean 300, S=8192": (300, 8192, "documents"),
+    "packed mean 8000, S=32768": (8000, 32768, "documents"),
+    "packed mean 800, S=32768": (800, 32768, "documents"),
+    "packed mean 300, S=8192": (300, 8192, "documents"),
     "stream mean 300, S=8192": (300, 8192, "stream"),
     "stream mean 800, S=8192": (800, 8192, "stream"),
     "stream mean 300, S=32768": (300, 32768, "stream"),

@@ -535,7 +535,7 @@ def test_bench_cp_balance_family_smoke(tmp_path):
     from scripts import bench_cp
 
     path = tmp_path / "bench_cp_balance.json"
-    argv = ["--family", "balance", "--streams", "issue mean 300, S=8192", "--worlds", "2", "--documents", "250"]
+    argv = ["--family", "balance", "--streams", "packed mean 300, S=8192", "--worlds", "2", "--documents", "250"]
     assert bench_cp.main([*argv, "--repeats", "1", "--json", str(path)]) == 0
     (row,) = json.loads(path.read_text())["rows"]
     assert row["batches"] >= 1 and set(row) >= {"padding %", "rows %", "times", *bench_cp.SHARDINGS}
