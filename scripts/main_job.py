@@ -64,37 +64,64 @@ if not __package__:  # run as a file: import from the repository root (scripts/_
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import argparse
+import contextlib
 import copy
+import dataclasses
+import functools
 import importlib.util
+import inspect
 import itertools
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
 import torch
+import torch.nn.functional as F
 from torch._dynamo.utils import counters
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
-from packfn import safe_budget
+from packfn import document_block_mask, packed_position_ids, pad, safe_budget, unpad, varlen_metadata
 
-from examples.packed_decoder import DecoderConfig, PackedDecoder, lengths_from_boundaries, packed_loss
+from examples.packed_decoder import (
+    IGNORE_INDEX,
+    DecoderConfig,
+    PackedDecoder,
+    _rotate,
+    lengths_from_boundaries,
+    packed_loss,
+)
 from scripts.batches import Batch, add_model_arguments, decoder_config, loader_batches, pieces
 from scripts.corpus import add_data_argument, documents_source, training_documents
 from scripts.measure import CountingInductor, graph_breaks, graph_breaks_since, synchronize
 from scripts.upstream import neat_packing, neat_packing_batches, upstream_available, upstream_loss_function
 
 __all__ = [
+    "ATTENTIONS",
+    "GPU_ATTENTION",
     "Driver",
     "MainJobReport",
     "Pipelines",
     "Progress",
+    "TokenStream",
     "TraceSummary",
+    "attention_error",
+    "decode_with",
     "main",
     "make_pipelines",
+    "packfn_loss_function",
+    "packfn_token_stream",
     "parse_args",
     "plot_summary",
+    "precision",
     "run",
     "summarize_trace",
     "time_upstream_helpers",
+    "upstream_block_mask",
+    "upstream_loss_for",
+    "upstream_token_stream",
+    "varlen_attend",
 ]
 
 # Each Inductor C++ kernel a named event in the trace (both compiled drivers are compiled with it).
@@ -108,6 +135,335 @@ _TITLES = {
     UPSTREAM_COMPILED: "upstream torch.compile",
     PACKFN: "packfn torch.compile(fullgraph=True)",
 }
+
+
+# ---------------------------------------------------------------- attention paths (--attention)
+
+ATTENTIONS = ("dense", "varlen", "flex")
+GPU_ATTENTION = "varlen"  # --attention's default on CUDA (the module docstring says why); the CPU's is "dense"
+FLEX_BLOCK_SIZE = 128  # FlexAttention's query and key block (NOTE [FlexAttention in the main job])
+# packfn's step on CUDA: the Inductor options torch.compile(mode="reduce-overhead") stands for ({"triton.cudagraphs":
+# True}), applied as a config patch because the step's backend is the counting Inductor (a backend takes no mode).
+CUDA_GRAPHS = torch._inductor.list_mode_options("reduce-overhead")
+_ATTENTION_LINES = {
+    "dense": "SDPA over a dense bool block-causal mask [batch, 1, rows, rows]",
+    "varlen": (
+        "torch.nn.attention.varlen.varlen_attn over the unpadded tokens (packfn: varlen_metadata, unpad / pad, "
+        "its longest document bounded statically by the sequence; upstream: get_unpad_data, its max_seqlen read "
+        "on the host)"
+    ),
+    "flex": (
+        f"FlexAttention with one document BlockMask of {FLEX_BLOCK_SIZE}-token blocks a step, shared by every "
+        "layer (packfn: document_block_mask inside the compiled step; upstream: create_block_mask over a document "
+        "mask_mod and flex_attention, each torch.compile'd, as torchtitan does)"
+    ),
+}
+_UPSTREAM_HELPERS = {
+    "dense": "build_packed_sequence_metadata, packed_layout, get_unpad_data",
+    "flex": "build_packed_sequence_metadata, packed_layout, get_unpad_data, create_block_mask",
+    "varlen": "get_unpad_data",
+}
+
+# NOTE [FlexAttention in the main job]
+# Block size: 128 queries by 128 keys, create_block_mask's default and the tile of the Triton template the
+# kernels run; packfn's aligned rows (alignment 16) need not match it: a block that straddles a document edge is
+# a partial block, evaluated through mask_mod, and separate_full_blocks=True (both builders' default) keeps the
+# full blocks apart so the kernel skips mask_mod there.
+# BlockMask reuse: every layer attends over the same documents, so each step builds one BlockMask and hands it to
+# every layer (packfn: document_block_mask of the layout's sequence_ids, from per-block first / last ids, inside
+# the one compiled graph; upstream: create_block_mask evaluates mask_mod over the rows, once a step).
+# Compile options: packfn's flex_attention is lowered by Inductor inside the compiled training step
+# (fullgraph=True, default kernel options, CUDA graphs on CUDA); upstream compiles flex_attention and
+# create_block_mask on their own (torch.compile, default mode), as torchtitan does. NeMo AutoModel's own
+# FlexAttention module compiles with mode="max-autotune-no-cudagraphs"; neither side autotunes here, which would
+# add minutes of compile to both. q and k leave RoPE in float32 (cos / sin are float32): decode_with casts them
+# to the value's dtype (bf16 under autocast), as every kernel here takes one dtype, and a float32 flex kernel
+# would be several times slower than the bf16 one.
+
+
+def precision(device: torch.device) -> contextlib.AbstractContextManager:
+    """The forward's precision: bf16 autocast on CUDA (the GPU default), nothing on the CPU (float32)."""
+    if device.type == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def _varlen_attn() -> Callable[..., torch.Tensor]:
+    """torch's ``varlen_attn`` with ``window_size`` (torch 2.11 and later); ``RuntimeError`` naming the need else."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        varlen_attn = None
+    if varlen_attn is None or "window_size" not in inspect.signature(varlen_attn).parameters:
+        raise RuntimeError(
+            "needs torch.nn.attention.varlen.varlen_attn with window_size (torch 2.11 or later); this is torch "
+            f"{torch.__version__}"
+        )
+    return varlen_attn
+
+
+def attention_error(attention: str, device: torch.device) -> str | None:
+    """Why ``--attention`` cannot train on ``device``, or None when it can: its kernel's error on tiny inputs.
+
+    ``dense`` always can. ``varlen`` runs ``varlen_attn`` (FlashAttention
+    kernels: CUDA only, bf16 or fp16) forward and backward; ``flex`` runs
+    ``flex_attention`` forward and backward eagerly (torch 2.13 has no
+    FlexAttention backward on the CPU).
+    """
+    if attention == "dense":
+        return None
+    try:
+        if attention == "varlen":
+            kernel = _varlen_attn()
+            values = torch.zeros(16, 1, 16, device=device, dtype=torch.bfloat16, requires_grad=True)
+            bounds = torch.tensor([0, 16], device=device, dtype=torch.int32)
+            kernel(values, values, values, bounds, bounds, 16, 16, window_size=(-1, 0)).sum().backward()
+        else:
+            values = torch.zeros(1, 1, 16, 16, device=device, requires_grad=True)
+            flex_attention(values, values, values).sum().backward()
+    except (RuntimeError, NotImplementedError) as error:
+        first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        return f"--attention {attention} cannot train on {device}: {type(error).__name__}: {first[:200]}"
+    return None
+
+
+class TokenStream(NamedTuple):
+    """A batch's tokens as one unpadded stream ``[1, rows, ...]``, for :func:`decode_with` and :func:`varlen_attend`.
+
+    ``pack`` moves ``[batch, sequence, ...]`` activations into the stream,
+    ``restore`` takes the stream's ``[1, rows, ...]`` back to what the loss
+    reads. For the example mask ``[[1, 1, 2, 2, 2, 0], [1, 1, 1, 1, 0, 0]]``
+    both builders give ``cu_seqlens`` ``[0, 2, 5, 9]`` (packfn's then repeats
+    9 to its fixed size) and positions ``[0, 1, 0, 1, 2, 0, 1, 2, 3]``.
+
+    Attributes:
+        indices: int64 ``[rows]``: each row's token in the flattened
+            ``[batch * sequence]`` batch (packfn: valid tokens first, then padding).
+        cu_seqlens: int32 document boundaries over the rows (packfn
+            ``[batch * D + 1]``, upstream ``[documents + 1]``).
+        max_seqlen: the kernel's bound of the longest document (packfn: the
+            static ``sequence``; upstream: its host read).
+        position_ids: int64 ``[1, rows]``: each token's position in its document.
+        valid: bool ``[rows]``: the rows ``cu_seqlens`` covers, or None when
+            it covers them all (packfn's fixed-size stream has a tail of padding).
+    """
+
+    indices: torch.Tensor
+    cu_seqlens: torch.Tensor
+    max_seqlen: int
+    position_ids: torch.Tensor
+    valid: torch.Tensor | None
+    pack: Callable[[torch.Tensor], torch.Tensor]
+    restore: Callable[[torch.Tensor], torch.Tensor]
+
+
+def packfn_token_stream(document_ids: torch.Tensor, max_documents: int) -> TokenStream:
+    """packfn's stream: :func:`packfn.varlen_metadata` at the packer's cap, :func:`packfn.unpad` / :func:`packfn.pad`.
+
+    Every shape is fixed (``batch * sequence`` rows, ``batch * D + 1``
+    boundaries) and nothing is read on the host: the kernel's maximum is the
+    static bound ``sequence``, which varlen kernels take as a grid size.
+    """
+    metadata = varlen_metadata(document_ids, max_documents=max_documents)
+    rows = metadata.indices.numel()
+    positions = unpad(packed_position_ids(document_ids), metadata)
+    return TokenStream(
+        indices=metadata.indices,
+        cu_seqlens=metadata.cu_seqlens,
+        max_seqlen=metadata.max_seqlen_bound,
+        position_ids=positions.unsqueeze(0),
+        valid=torch.arange(rows, device=document_ids.device) < metadata.num_tokens,
+        pack=lambda values: unpad(values, metadata).unsqueeze(0),
+        restore=lambda values: pad(values.squeeze(0), metadata),
+    )
+
+
+def upstream_token_stream(document_ids: torch.Tensor, unpad_data: Callable | None = None) -> TokenStream:
+    """NeMo AutoModel's stream: ``get_unpad_data`` (a ``nonzero`` and a host read of ``max_seqlen``), then indexing.
+
+    Its rows are exactly the batch's real tokens (a data-dependent count);
+    positions restart at each of its ``cu_seqlens``; ``restore`` leaves the
+    rows in stream order (the loss reads the labels at ``indices``).
+    """
+    if unpad_data is None:
+        from nemo_automodel.components.datasets.packing import get_unpad_data as unpad_data
+    indices, cu_seqlens, max_seqlen = unpad_data(document_ids)
+    tokens = indices.numel()
+    starts = cu_seqlens[:-1].long().repeat_interleave(cu_seqlens.diff().long(), output_size=tokens)
+    positions = torch.arange(tokens, device=document_ids.device) - starts
+    return TokenStream(
+        indices=indices,
+        cu_seqlens=cu_seqlens,
+        max_seqlen=max_seqlen,
+        position_ids=positions.unsqueeze(0),
+        valid=None,
+        pack=lambda values: values.flatten(0, 1)[indices].unsqueeze(0),
+        restore=lambda values: values.squeeze(0),
+    )
+
+
+def varlen_attend(stream: TokenStream, kernel: Callable[..., torch.Tensor] | None = None) -> Callable[..., Any]:
+    """Causal attention within each document of ``stream``: ``attend(query, key, value)``, ``[1, heads, rows, dim]``.
+
+    ``kernel`` is ``varlen_attn`` (the default) or one of its signature.
+    Rows past ``cu_seqlens[-1]`` (packfn's tail) are left unwritten by the
+    kernel, forward and backward, and may hold anything: ``valid`` zeroes
+    them in the output and stops their gradients at the inputs, so nothing
+    of them reaches the weights' gradients.
+    """
+    kernel = kernel or _varlen_attn()
+    keep = None if stream.valid is None else stream.valid[:, None, None]
+
+    def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        query, key, value = (tensor.squeeze(0).transpose(0, 1) for tensor in (query, key, value))  # [rows, heads, dim]
+        if keep is not None:
+            query, key, value = (torch.where(keep, tensor, 0) for tensor in (query, key, value))
+        bound = stream.max_seqlen
+        attended = kernel(query, key, value, stream.cu_seqlens, stream.cu_seqlens, bound, bound, window_size=(-1, 0))
+        if keep is not None:
+            attended = torch.where(keep, attended, 0)
+        return attended.transpose(0, 1).unsqueeze(0)
+
+    return attend
+
+
+def document_causal_mask_mod(sequence_ids: torch.Tensor) -> Callable[..., torch.Tensor]:
+    """A ``mask_mod``: query sees key when both are in the same document (id > 0) and the key is not after it."""
+
+    def mask_mod(batch, head, query_index, key_index):
+        document = sequence_ids[batch, query_index]
+        return (document == sequence_ids[batch, key_index]) & (document > 0) & (key_index <= query_index)
+
+    return mask_mod
+
+
+def upstream_block_mask(sequence_ids: torch.Tensor, build: Callable[..., BlockMask] = create_block_mask) -> BlockMask:
+    """Upstream's BlockMask of ``[batch, rows]`` sequence ids: ``create_block_mask`` over a document ``mask_mod``."""
+    batch, rows = sequence_ids.shape
+    mask_mod = document_causal_mask_mod(sequence_ids)
+    return build(mask_mod, batch, None, rows, rows, device=sequence_ids.device, BLOCK_SIZE=FLEX_BLOCK_SIZE)
+
+
+@functools.cache
+def _compiled_flex() -> tuple[Callable[..., torch.Tensor], Callable[..., BlockMask]]:
+    """``flex_attention`` and ``create_block_mask``, each under its own ``torch.compile`` (torchtitan's way)."""
+    return torch.compile(flex_attention), torch.compile(create_block_mask)
+
+
+def _block_with(block, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend) -> torch.Tensor:
+    """One :class:`examples.packed_decoder.Block` over ``[batch, rows, hidden]``, its attention ``attend``."""
+    batch, length, width = hidden.shape
+    qkv = block.qkv(block.attention_norm(hidden)).view(batch, length, 3, block.heads, width // block.heads)
+    query, key, value = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each [batch, heads, rows, head_dim]
+    # RoPE runs in float32: back to the projection's dtype (bf16 under autocast), as the kernels take one dtype.
+    query, key = _rotate(query, cos, sin).to(value.dtype), _rotate(key, cos, sin).to(value.dtype)
+    attended = attend(query, key, value)
+    hidden = hidden + block.out(attended.transpose(1, 2).reshape(batch, length, width))
+    return hidden + block.down(F.gelu(block.up(block.mlp_norm(hidden))))
+
+
+def decode_with(model: PackedDecoder, input_ids: torch.Tensor, layout, attend) -> torch.Tensor:
+    """:meth:`PackedDecoder.decode` with the attention ``attend(query, key, value)`` over ``[batch, heads, rows, dim]``.
+
+    ``layout`` is a :class:`packfn.PackedSequenceLayout` (aligned rows) or a
+    :class:`TokenStream` (one unpadded row): its ``pack``, ``position_ids``
+    and ``restore``. Returns the logits of ``restore``'s rows.
+    """
+    hidden = layout.pack(model.embed(input_ids))
+    cos, sin = model.rotary(layout.position_ids)
+    for block in model.blocks:
+        hidden = _block_with(block, hidden, cos, sin, attend)
+    return model.lm_head(model.norm(layout.restore(hidden)))
+
+
+def _token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean cross entropy of ``[..., vocab]`` logits against labels of the same rows (``IGNORE_INDEX`` skipped)."""
+    return F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten(), ignore_index=IGNORE_INDEX)
+
+
+def packfn_loss_function(attention: str, *, varlen_kernel: Callable | None = None) -> Callable[..., torch.Tensor]:
+    """packfn's loss ``loss(model, input_ids, document_ids, labels)`` for ``--attention``: static shapes, no host read.
+
+    ``dense`` is :func:`examples.packed_decoder.packed_loss` (the model's own
+    SDPA path); ``flex`` runs the aligned layout with
+    :func:`packfn.document_block_mask`; ``varlen`` runs
+    :func:`packfn_token_stream` through ``varlen_kernel`` (``varlen_attn``).
+    """
+    if attention == "dense":
+        return packed_loss
+    if attention == "flex":
+
+        def flex_loss(model, input_ids, document_ids, labels):
+            layout = model.layout(document_ids, None)
+            mask = document_block_mask(layout.sequence_ids, block_size=FLEX_BLOCK_SIZE)  # one a step, every layer's
+            return _token_loss(
+                decode_with(model, input_ids, layout, functools.partial(flex_attention, block_mask=mask)), labels
+            )
+
+        return flex_loss
+    kernel = varlen_kernel or _varlen_attn()
+
+    def varlen_loss(model, input_ids, document_ids, labels):
+        stream = packfn_token_stream(document_ids, model.config.max_documents)
+        return _token_loss(decode_with(model, input_ids, stream, varlen_attend(stream, kernel)), labels)
+
+    return varlen_loss
+
+
+def upstream_loss_for(
+    attention: str,
+    *,
+    minimum_length: int = 0,
+    eager_helpers: bool = False,
+    varlen_kernel: Callable | None = None,
+    compiled_flex: bool = True,
+) -> Callable[..., torch.Tensor]:
+    """The example model's loss driven by NeMo AutoModel's helpers for ``--attention``.
+
+    ``dense`` is :func:`scripts.upstream.upstream_loss_function`. ``flex``
+    lays the rows out as it does (``build_packed_sequence_metadata``,
+    ``packed_layout``) and builds the BlockMask with
+    :func:`upstream_block_mask` (``compiled_flex``: ``create_block_mask`` and
+    ``flex_attention`` each ``torch.compile``'d, as torchtitan does; else
+    eager). ``varlen`` unpads with :func:`upstream_token_stream`. Both reduce
+    over the tokens ``get_unpad_data`` lists; ``eager_helpers`` as
+    :func:`scripts.upstream.upstream_loss_function`.
+    """
+    if attention == "dense":
+        return upstream_loss_function(minimum_length=minimum_length, eager_helpers=eager_helpers)
+    from nemo_automodel.components.datasets.packing import build_packed_sequence_metadata, get_unpad_data
+    from nemo_automodel.components.models.deepseek_v41.packing import packed_layout
+
+    helpers = (build_packed_sequence_metadata, packed_layout, get_unpad_data)
+    if eager_helpers:
+        helpers = tuple(torch.compiler.disable(helper) for helper in helpers)
+    metadata_of, layout_of, unpad_data = helpers
+    if attention == "varlen":
+        kernel = varlen_kernel or _varlen_attn()
+
+        def varlen_loss(model, input_ids, document_ids, labels):
+            stream = upstream_token_stream(document_ids, unpad_data)
+            logits = decode_with(model, input_ids, stream, varlen_attend(stream, kernel))
+            return _token_loss(logits, labels.flatten()[stream.indices])
+
+        return varlen_loss
+    attend_with, build = _compiled_flex() if compiled_flex else (flex_attention, create_block_mask)
+
+    def flex_loss(model, input_ids, document_ids, labels):
+        metadata = metadata_of(document_ids)
+        layout = layout_of(
+            lengths_from_boundaries(metadata["cu_seqlens"]),
+            seq_lens_padded=None,
+            input_shape=tuple(document_ids.shape),
+            alignment=model.config.alignment,
+            minimum_length=minimum_length,
+        )
+        mask = upstream_block_mask(layout.sequence_ids, build)
+        logits = decode_with(model, input_ids, layout, functools.partial(attend_with, block_mask=mask))
+        indices, _, _ = unpad_data(document_ids)
+        return _token_loss(logits.flatten(0, 1)[indices], labels.flatten()[indices])
+
+    return flex_loss
 
 
 @dataclass
@@ -124,10 +480,25 @@ class Driver:
     recompiles: int | None = None
     frames: int | None = None
     graphs: int | None = None
+    # CUDA only, a pair a step: (torch.cuda.max_memory_allocated over the step, its counter reset as the step
+    # began; memory allocated as it began: the three models' weights and optimizer states, what the step keeps)
+    memory: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def steady(self) -> list[float]:
         return self.seconds[self.warmup_steps :] or self.seconds[1:]
+
+    @property
+    def peak_bytes(self) -> int | None:
+        """The highest ``max_memory_allocated`` over the steady steps (None off CUDA)."""
+        start = len(self.seconds) - len(self.steady)
+        return max((peak for peak, _ in self.memory[start:]), default=None)
+
+    @property
+    def step_peak_bytes(self) -> int | None:
+        """The most a steady step allocated above what was allocated as it began (None off CUDA)."""
+        start = len(self.seconds) - len(self.steady)
+        return max((peak - resident for peak, resident in self.memory[start:]), default=None)
 
     @property
     def median_step_s(self) -> float:
@@ -195,6 +566,10 @@ class MainJobReport:
     trace_summary: TraceSummary | None = None
     parity: dict[str, float] = field(default_factory=dict)  # loss of packfn's first batch, initial weights
     summary_png: str | None = None  # the PNG beside the trace (None without matplotlib)
+    attention: str = "dense"  # --attention
+    device: str = "cpu"
+    gpu: str | None = None  # the CUDA device's name
+    cudagraph_skips: int | None = None  # CUDA: the times Inductor ran packfn's graphs without CUDA graphs
 
     @property
     def packfn(self) -> Driver:
@@ -242,6 +617,19 @@ class MainJobReport:
         )
         return ours / theirs
 
+    def memory_line(self) -> str:
+        """Each driver's peak GPU memory over its timed steps, and the most one step added to what it began with."""
+        mib = 2**20
+        return (
+            "; ".join(
+                f"{_TITLES[name]} {driver.peak_bytes / mib:,.0f} MiB (a step +{driver.step_peak_bytes / mib:,.0f} MiB)"
+                for name in (UPSTREAM_EAGER, UPSTREAM_COMPILED, PACKFN)
+                if (driver := self.drivers.get(name)) is not None and driver.peak_bytes is not None
+            )
+            + " (torch.cuda.max_memory_allocated, reset at each step; the three models' weights and AdamW states stay "
+            "resident throughout)"
+        )
+
     def _helpers_ms(self) -> str:
         return "unmeasured" if self.upstream_helpers_s is None else f"{self.upstream_helpers_s * 1e3:.1f} ms"
 
@@ -262,6 +650,14 @@ class MainJobReport:
             f"batch; real tokens fill {self.budget_fill:.1%} of the budget ({self.real_tokens} of {self.steps} x "
             f"{self.batch} x {config.length})",
         ]
+        if self.attention != "dense" or self.device != "cpu":
+            result.append(f"attention:    {self.attention}: {_ATTENTION_LINES[self.attention]}")
+        if self.gpu is not None:
+            result.append(
+                f"device:       {self.gpu} ({self.device}): bf16 autocast, TF32 for the matmuls left in float32; "
+                "packfn's step in CUDA graphs (torch.compile mode=\"reduce-overhead\"'s triton.cudagraphs), which "
+                f"Inductor skipped {self.cudagraph_skips} times"
+            )
         if UPSTREAM_EAGER not in self.drivers:
             result.append(f"upstream:     {self.upstream}")
         else:
@@ -274,12 +670,16 @@ class MainJobReport:
             )
             helpers = "eagerly (a graph break at each call)" if self.upstream_helpers == "eager" else "traced"
             per_batch = pipelines.upstream_s / max(1, len(pipelines.upstream))
+            layout = (
+                "its rows unpadded by get_unpad_data's indices (no row layout)"
+                if self.attention == "varlen"
+                else f"rows aligned afterwards by {rows}: {over} of {len(upstream)} batches need more than "
+                f"{config.length} columns (mean {statistics.mean(upstream):.0f}, longest {max(upstream)})"
+            )
             result += [
                 f"upstream:     NeMo AutoModel 0.7.0: neat packing (greedy_knapsack, alignment 1, no cap) of the same "
-                f"pieces, {len(pipelines.upstream)} batches, {per_batch * 1e3:.1f} ms a batch; rows aligned "
-                f"afterwards by {rows}: {over} of {len(upstream)} batches need more than "
-                f"{config.length} columns (mean {statistics.mean(upstream):.0f}, longest {max(upstream)})",
-                f"              its helpers (build_packed_sequence_metadata, packed_layout, get_unpad_data) take "
+                f"pieces, {len(pipelines.upstream)} batches, {per_batch * 1e3:.1f} ms a batch; {layout}",
+                f"              its helpers ({_UPSTREAM_HELPERS[self.attention]}) take "
                 f"{self._helpers_ms()} a step eagerly; under torch.compile they run {helpers}",
             ]
         result.append(
@@ -302,7 +702,9 @@ class MainJobReport:
             "the pipeline's rows x sequence"
         )
         result.append(f"real tokens/s: {self.ratios()}")
-        if UPSTREAM_EAGER in self.drivers:
+        if self.gpu is not None:
+            result.append("peak memory:  " + self.memory_line())
+        if UPSTREAM_EAGER in self.drivers and self.attention != "varlen":
             result.append(
                 f"area:         packfn's rows attend over {self.area_per_token():.2f}x the area per real token of "
                 "upstream's"
@@ -480,7 +882,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--rounds", type=int, default=3, help="interleaved passes of the three drivers over the batches (timed)"
     )
-    parser.add_argument("--attention", choices=("sdpa", "flex"), default="sdpa")
+    parser.add_argument(
+        "--attention",
+        choices=ATTENTIONS,
+        default=None,
+        help=f"dense: SDPA over a bool block-causal mask; varlen: torch's varlen_attn over the unpadded tokens (CUDA); "
+        f"flex: FlexAttention with a document BlockMask (its backward needs CUDA on torch 2.13). Default: dense on "
+        f"the CPU, {GPU_ATTENTION} on CUDA",
+    )
     add_data_argument(parser)
     parser.add_argument("--out", type=Path, default=Path("profiles"))
     parser.add_argument("--run-name", default=None, help="run folder under --out (default: decoder_<sizes>_<time>)")
@@ -501,6 +910,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "recompiles for every batch: minutes each on 2 CPU cores)",
     )
     arguments = parser.parse_args(argv)
+    if arguments.attention is None:
+        arguments.attention = GPU_ATTENTION if arguments.device.split(":")[0] == "cuda" else "dense"
     if arguments.steps < 2:
         parser.error("--steps must be at least 2 (the first step compiles)")
     if arguments.rounds < 1:
@@ -589,20 +1000,46 @@ class Progress:
 
 
 class Trainer:
-    """One optimizer (AdamW) step per call of :meth:`step`, timed, with a printed line."""
+    """One optimizer (AdamW) step per call of :meth:`step`, timed, with a printed line.
+
+    The forward runs under :func:`precision` (bf16 autocast on CUDA).
+    ``inductor_options`` patch Inductor's config around forward and
+    backward (whose graph compiles at its first call): :data:`CUDA_GRAPHS`
+    for packfn's step on CUDA, which then marks each step's beginning for
+    the CUDA-graph trees. On CUDA each step records its peak memory.
+    """
 
     def __init__(
-        self, model, loss_function, device: torch.device, driver: Driver, progress: Progress | None = None
+        self,
+        model,
+        loss_function,
+        device: torch.device,
+        driver: Driver,
+        progress: Progress | None = None,
+        *,
+        inductor_options: dict[str, Any] | None = None,
     ) -> None:
         self.model, self.loss_function, self.device, self.driver = model, loss_function, device, driver
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
         self.progress = progress or Progress()
+        self.inductor_options = inductor_options or {}
 
     def step(self, batch: Batch) -> None:
+        cuda = self.device.type == "cuda"
         synchronize(self.device)
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+            resident = torch.cuda.memory_allocated(self.device)
+        if self.inductor_options.get("triton.cudagraphs"):
+            torch.compiler.cudagraph_mark_step_begin()  # a new step: the last step's graph outputs may be reused
+        options = (
+            torch._inductor.config.patch(self.inductor_options) if self.inductor_options else contextlib.nullcontext()
+        )
         begin = time.perf_counter()
-        loss = self.loss_function(self.model, batch.input_ids, batch.document_ids, batch.labels)
-        loss.backward()
+        with options:
+            with precision(self.device):
+                loss = self.loss_function(self.model, batch.input_ids, batch.document_ids, batch.labels)
+            loss.backward()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         value = loss.item()  # the one host read of a step, after its work
@@ -611,6 +1048,8 @@ class Trainer:
         driver.seconds.append(time.perf_counter() - begin)
         driver.losses.append(value)
         driver.tokens.append(batch.num_tokens)
+        if cuda:
+            driver.memory.append((torch.cuda.max_memory_allocated(self.device), resident))
         self.progress.write(
             f"step {len(driver.seconds) - 1:>3}  {driver.name:<18} loss {value:.4f}  {driver.seconds[-1] * 1e3:9.1f} ms"
         )
@@ -623,24 +1062,40 @@ def _record_compiles(driver: Driver, backend: CountingInductor, before: dict[str
     driver.recompiles, driver.frames, driver.graphs = backend.recompiles, backend.frames, backend.graphs
 
 
-def time_upstream_helpers(batches: list[Batch], alignment: int, minimum_length: int) -> float:
-    """Median seconds of the three upstream helpers on one batch, eagerly (what upstream compiled leaves eager)."""
+def time_upstream_helpers(
+    batches: list[Batch],
+    alignment: int,
+    minimum_length: int,
+    attention: str = "dense",
+    build_block_mask: Callable[..., BlockMask] = create_block_mask,
+) -> float:
+    """Median seconds, on one batch, of the upstream helpers ``--attention``'s drivers call outside their graphs.
+
+    ``dense``: ``build_packed_sequence_metadata``, ``packed_layout`` and
+    ``get_unpad_data``; ``flex`` adds the BlockMask (``build_block_mask``,
+    the builder the drivers use); ``varlen``: ``get_unpad_data`` alone.
+    """
     from nemo_automodel.components.datasets.packing import build_packed_sequence_metadata, get_unpad_data
     from nemo_automodel.components.models.deepseek_v41.packing import packed_layout
 
     seconds = []
     for batch in batches * 2:
         document_ids = batch.document_ids
+        synchronize(document_ids.device)
         begin = time.perf_counter()
-        metadata = build_packed_sequence_metadata(document_ids)
-        packed_layout(
-            lengths_from_boundaries(metadata["cu_seqlens"]),
-            seq_lens_padded=None,
-            input_shape=tuple(document_ids.shape),
-            alignment=alignment,
-            minimum_length=minimum_length,
-        )
+        if attention != "varlen":
+            metadata = build_packed_sequence_metadata(document_ids)
+            layout = packed_layout(
+                lengths_from_boundaries(metadata["cu_seqlens"]),
+                seq_lens_padded=None,
+                input_shape=tuple(document_ids.shape),
+                alignment=alignment,
+                minimum_length=minimum_length,
+            )
+            if attention == "flex":
+                upstream_block_mask(layout.sequence_ids, build_block_mask)
         get_unpad_data(document_ids)
+        synchronize(document_ids.device)
         seconds.append(time.perf_counter() - begin)
     return statistics.median(seconds[len(batches) :])
 
@@ -724,17 +1179,37 @@ def _profile_packfn(trainer: Trainer, batches: list[Batch], run_dir: Path, devic
             profiler.step()
 
 
+def _device(name: str) -> torch.device:
+    """``--device`` as a device of this machine; ``SystemExit`` with the reason (no traceback) when it is not one."""
+    try:
+        device = torch.device(name)
+    except RuntimeError as error:
+        raise SystemExit(f"--device {name}: not a torch device ({error})") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        build = "a CPU-only build" if torch.version.cuda is None else "no GPU visible"
+        raise SystemExit(
+            f"--device {name}: CUDA is not available (torch {torch.__version__}, {build}); leave --device out to "
+            "run on the CPU"
+        )
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise SystemExit(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    return device
+
+
 def run(arguments: argparse.Namespace) -> MainJobReport:
     """Train the three drivers, each on its own pipeline's batches of the same tokens (packfn's first pass profiled)."""
-    device = torch.device(arguments.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("--device cuda requested but CUDA is not available")
-    if arguments.attention == "flex" and device.type == "cpu":
-        raise SystemExit("--attention flex needs a GPU for training: FlexAttention has no CPU backward in torch 2.13")
+    device = _device(arguments.device)
+    error = attention_error(arguments.attention, device)
+    if error is not None:
+        raise SystemExit(f"{error}; --attention dense runs everywhere")
+    if device.type == "cuda":
+        torch.set_float32_matmul_precision("high")  # TF32 for the matmuls autocast leaves in float32 (GPU default)
     budget = arguments.budget
     if budget is None:  # the packer's default: the row length rounded up to the alignment
         budget = -(-arguments.sequence // arguments.alignment) * arguments.alignment
-    config = decoder_config(arguments, budget)
+    # The model's own forward (packed_loss, --attention dense) is its SDPA path; flex and varlen run its layers
+    # through decode_with.
+    config = dataclasses.replace(decoder_config(arguments, budget), attention="sdpa")
     if arguments.no_upstream:
         upstream_status = "skipped (--no-upstream)"
     elif not upstream_available() or importlib.util.find_spec("datasets") is None:
@@ -751,7 +1226,7 @@ def run(arguments: argparse.Namespace) -> MainJobReport:
     print(
         f"model: batch={arguments.batch} sequence={config.sequence} aligned budget={config.length} "
         f"(packer: alignment {config.alignment}, D={config.max_documents}; worst case {worst}) "
-        f"hidden={config.hidden} layers={config.layers} attention={config.attention} device={device}",
+        f"hidden={config.hidden} layers={config.layers} attention={arguments.attention} device={device}",
         flush=True,
     )
 
@@ -764,8 +1239,11 @@ def run(arguments: argparse.Namespace) -> MainJobReport:
     # 1. packfn compiled, fullgraph, its first pass under the profiler.
     backend = CountingInductor()
     drivers[PACKFN] = Driver(PACKFN, warmup_steps=len(pipelines.packfn))
-    packfn_loss = torch.compile(packed_loss, backend=backend, fullgraph=True)
-    trainers[PACKFN] = Trainer(copy.deepcopy(model), packfn_loss, device, drivers[PACKFN], progress)
+    packfn_loss = torch.compile(packfn_loss_function(arguments.attention), backend=backend, fullgraph=True)
+    cuda_graphs = CUDA_GRAPHS if device.type == "cuda" else None
+    trainers[PACKFN] = Trainer(
+        copy.deepcopy(model), packfn_loss, device, drivers[PACKFN], progress, inductor_options=cuda_graphs
+    )
     run_name = arguments.run_name or (
         f"decoder_b{arguments.batch}_s{arguments.sequence}_h{arguments.hidden}_l{arguments.layers}_"
         f"{time.strftime('%Y%m%d-%H%M%S')}"
@@ -790,7 +1268,7 @@ def run(arguments: argparse.Namespace) -> MainJobReport:
         upstream_backend = CountingInductor()
         drivers[UPSTREAM_COMPILED] = Driver(UPSTREAM_COMPILED, warmup_steps=len(pipelines.upstream))
         upstream_compiled = torch.compile(
-            upstream_loss_function(minimum_length=minimum_length, eager_helpers=eager_helpers),
+            upstream_loss_for(arguments.attention, minimum_length=minimum_length, eager_helpers=eager_helpers),
             backend=upstream_backend,
         )
         trainers[UPSTREAM_COMPILED] = Trainer(
@@ -803,7 +1281,7 @@ def run(arguments: argparse.Namespace) -> MainJobReport:
             for batch in pipelines.upstream:
                 trainers[UPSTREAM_COMPILED].step(batch)
         drivers[UPSTREAM_EAGER] = Driver(UPSTREAM_EAGER, warmup_steps=1)
-        upstream_eager = upstream_loss_function(minimum_length=minimum_length)
+        upstream_eager = upstream_loss_for(arguments.attention, minimum_length=minimum_length)
         trainers[UPSTREAM_EAGER] = Trainer(
             copy.deepcopy(model), upstream_eager, device, drivers[UPSTREAM_EAGER], progress
         )
@@ -831,9 +1309,15 @@ def run(arguments: argparse.Namespace) -> MainJobReport:
     # Loss parity: every driver's loss of packfn's first batch, from the initial weights (no step).
     progress.say("report: loss parity, the upstream helpers' eager time, the trace's summary, the PNG ...")
     first = pipelines.packfn[0]
-    parity = {PACKFN: packfn_loss(model, first.input_ids, first.document_ids, first.labels).item()}
+    losses = {PACKFN: packfn_loss}
     if upstream_status == "run":
-        for name, function in ((UPSTREAM_EAGER, upstream_eager), (UPSTREAM_COMPILED, upstream_compiled)):
+        losses |= {UPSTREAM_EAGER: upstream_eager, UPSTREAM_COMPILED: upstream_compiled}
+    parity = {}
+    for name, function in losses.items():
+        options = trainers[name].inductor_options
+        if options.get("triton.cudagraphs"):
+            torch.compiler.cudagraph_mark_step_begin()
+        with torch._inductor.config.patch(options), precision(device):
             parity[name] = function(model, first.input_ids, first.document_ids, first.labels).item()
 
     trace_files = sorted(str(path) for path in run_dir.glob("*.pt.trace.json*"))
@@ -849,9 +1333,17 @@ def run(arguments: argparse.Namespace) -> MainJobReport:
         upstream_rows=arguments.upstream_rows,
         upstream_helpers=arguments.upstream_helpers,
         parity=parity,
+        attention=arguments.attention,
+        device=str(device),
     )
+    if device.type == "cuda":
+        report.gpu = torch.cuda.get_device_name(device)
+        report.cudagraph_skips = counters["inductor"]["cudagraph_skips"]
     if upstream_status == "run":
-        report.upstream_helpers_s = time_upstream_helpers(pipelines.upstream, config.alignment, minimum_length)
+        build = _compiled_flex()[1] if device.type == "cuda" else create_block_mask
+        report.upstream_helpers_s = time_upstream_helpers(
+            pipelines.upstream, config.alignment, minimum_length, arguments.attention, build
+        )
     if trace_files:
         report.trace_summary = summarize_trace(trace_files[0])
     summary = run_dir / "main_job.png"
