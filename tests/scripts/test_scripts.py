@@ -134,6 +134,15 @@ def test_main_job_speaks_in_measurements_and_draws_a_png_beside_the_trace(profil
     assert png.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
 
 
+def test_main_job_on_the_cpu_trains_float32_over_the_dense_mask_and_reports_no_gpu_lines(profiled):
+    _, printed = profiled
+    assert " attention=dense device=cpu" in printed  # the CPU default: SDPA over the bool block-causal mask
+    report = _report(printed).splitlines()
+    for gpu_line in ("attention:", "device:", "peak memory:"):  # the attention path, bf16 / CUDA graphs, memory
+        assert not any(line.startswith(gpu_line) for line in report), gpu_line
+    assert "its helpers (build_packed_sequence_metadata, packed_layout, get_unpad_data) take" in "\n".join(report)
+
+
 def test_no_file_in_scripts_shadows_the_standard_library():
     """``python scripts/<name>.py`` puts ``scripts/`` on sys.path (before the stdlib): no file there may shadow it."""
     names = {path.stem for path in SCRIPTS.glob("*.py")}
