@@ -16,8 +16,8 @@ model (``examples/packed_decoder.py``) from the same initial weights:
    tokens (``greedy_knapsack`` over the pieces, rows laid out by its
    ``_build_packed_sample``, alignment 1, no cap), and its helpers
    (``build_packed_sequence_metadata``, ``packed_layout`` / ``pack`` /
-   ``restore``, a dense block-causal mask, ``get_unpad_data`` for the loss)
-   train eagerly;
+   ``restore``, a dense block-causal mask, ``get_unpad_data`` for the loss;
+   or the inputs of the ``--attention`` path below) train eagerly;
 3. **upstream compiled**: the same, under plain ``torch.compile`` (graph
    breaks allowed); its graph breaks and recompiles are counted.
 
@@ -45,13 +45,48 @@ writing one run folder under ``--out``; beside the trace, ``main_job.png``
 (with matplotlib) draws each pipeline's step times, real tokens per second
 and fill.
 
-Attention is SDPA with the dense bool block-causal mask: on the CPU,
-FlexAttention has no backward (torch 2.13 raises NotImplementedError).
-``--attention flex`` builds :func:`packfn.document_block_mask`
-instead (GPU training; the upstream drivers keep the dense mask).
+Attention (``--attention``) runs the same kernel in every pipeline, each
+feeding it from its own helpers:
+
+- ``dense``, the CPU default: SDPA over the bool block-causal mask
+  ``[batch, 1, rows, rows]`` (packfn: :func:`packfn.block_causal_mask` of
+  its layout; upstream: the mask ``_indexed_mask_to_4d_block_causal`` builds).
+- ``varlen``, the CUDA default: ``torch.nn.attention.varlen.varlen_attn``
+  (torch 2.11 or later, CUDA only) over the batch's tokens as one unpadded
+  stream. packfn: :func:`packfn.varlen_metadata` at the packer's cap ``D``
+  (``batch * D + 1`` boundaries), :func:`packfn.unpad` / :func:`packfn.pad`,
+  the kernel's maximum length the static bound ``sequence``: all inside the
+  one compiled graph, nothing read on the host. Upstream: ``get_unpad_data``
+  (a ``nonzero`` and a host read of ``max_seqlen``, as upstream does).
+- ``flex``: FlexAttention over the aligned rows. packfn:
+  :func:`packfn.document_block_mask` inside the compiled step; upstream:
+  ``create_block_mask`` over a document ``mask_mod``, as torchtitan does.
+  NOTE [FlexAttention in the main job] gives its block size, BlockMask
+  reuse and compile options. Training needs CUDA (torch 2.13 has no
+  FlexAttention backward on the CPU).
+
+varlen is the GPU default because it does no work on padding, on alignment
+gaps or across documents (FlashAttention's cost is each document's length
+squared, halved), builds no mask per step, and runs torch's FlashAttention
+kernel, which in bf16 on an H100 / H200 is faster for a plain causal mask
+than FlexAttention's Triton template, itself computing whole 128 x 128
+blocks where documents meet. flex stays for masks varlen cannot express.
+That is reasoning, not a measurement: the H200 figures of these paths are
+still to be taken (docs/benchmarks.md).
+
+On CUDA (``--device cuda``) the job runs as GPU users run it: the forward
+under bf16 autocast, TF32 for the matmuls left in float32; packfn's step in
+CUDA graphs (the Inductor option of ``torch.compile(mode="reduce-overhead")``;
+upstream compiled keeps the default mode, as its graph breaks and new row
+lengths leave little to capture); and the report adds each pipeline's peak
+GPU memory (``torch.cuda.max_memory_allocated``, reset at each step). The
+CPU keeps float32 and ``dense``. ``--device cuda`` without CUDA, or an
+attention path the device cannot train, exits with the reason.
 
     python scripts/main_job.py                   # defaults: under 4 minutes on 2 quiet CPU cores, more under load
     python scripts/main_job.py --steps 12 --sequence 1024 --out profiles
+    python scripts/main_job.py --device cuda --batch 8 --sequence 4096 --hidden 1024 --heads 8 --layers 4
+    # the same with --attention flex (or dense): every pipeline on FlexAttention (on the dense mask)
     tensorboard --logdir profiles                # pip install -e '.[profile]'
 """
 
