@@ -13,31 +13,45 @@ optionally ``labels`` and ``loss_mask``), a list of such dicts, a list of
 token lists (or 1-D integer tensors), or any re-iterable of those.
 
 NOTE [How the loader shards and resumes]
-Documents are split across data-parallel ranks and ``DataLoader`` workers
-by position: with ``shards = world * num_workers``, worker ``w`` of rank
-``r`` (shard ``r * num_workers + w``) takes documents ``shard, shard +
-shards, ...`` of the epoch's order (the examples in order, or a seeded
-permutation of them with ``shuffle=True``), so the shards' union is the
-dataset and no document is in two. Each shard packs its own documents a
-window at a time (NOTE [Windows and carried rows] in :mod:`packfn.data.packer`),
-deterministically. Its state is small: the position of its current window
-in its documents, how many batches of that window it has sent, and the
-rows it carried into the window (document, offset and length of their
-pieces, not their tokens). A restored shard reads the same window again,
-packs it the same way, skips the batches already sent and goes on, so the
-batches after a restore are exactly those an uninterrupted run sends.
-``state_dict()`` / ``load_state_dict()`` are the protocol torchdata's
-``StatefulDataLoader`` calls in each worker; with a plain ``DataLoader``,
+One packing plan covers the epoch: the epoch's documents (the examples in
+order, or a seeded permutation of them with ``shuffle=True``) packed a
+window at a time (NOTE [Windows and carried rows] in
+:mod:`packfn.data.packer`) into batches numbered 0, 1, ... It depends on
+the documents' lengths alone and is deterministic, so every data-parallel
+rank and every ``DataLoader`` worker computes the same plan, with no
+collective. Batch ``g`` goes to rank ``g % world``; a rank's ``j``-th batch
+to its worker ``j % num_workers``, the order in which a ``DataLoader``
+takes batches from its workers. So with ``shards = world * num_workers``,
+worker ``w`` of rank ``r`` takes batches ``w * world + r``, then every
+``shards``-th, and reads the tokens of those batches only. Every rank gets
+every ``world``-th batch, so the ranks' counts differ only in the epoch's
+last round, which the remainder rule completes: with ``N`` batches in the
+plan, each rank yields ``ceil(N / world)``, batches ``N, N + 1, ...`` of the
+last round being batches ``0, 1, ...`` again (as ``DistributedSampler``
+repeats its first samples); with ``drop_last=True`` the plan's partial last
+batch is dropped and each rank yields ``floor(N' / world)`` of the ``N'``
+full ones, the last ``N' % world`` left out (the ``world`` batches before
+the end wait until the plan's end is known). A shard's state is small: the
+position of the plan's current window among the epoch's documents, the
+number of the window's first batch, how many of its batches are past, and
+the rows carried into it (document, offset and length of their pieces, not
+their tokens). A restored shard reads that window again, packs it the same
+way, skips the batches already past and goes on, so the batches after a
+restore are exactly those an uninterrupted run sends. ``state_dict()`` /
+``load_state_dict()`` are the protocol torchdata's ``StatefulDataLoader``
+calls in each worker; with a plain ``DataLoader``,
 :meth:`PackedDataset.state_after` computes the state of every worker from
 the number of batches the training loop consumed (workers take turns).
 """
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import itertools
 import warnings
-from collections.abc import Iterator, Mapping
+from collections import deque
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, NamedTuple
 
 import torch
@@ -78,23 +92,58 @@ BATCH_KEYS = (
 """The keys of every batch :class:`PackedDataset` yields (see its docstring); ``packing_stats`` is left out
 with ``packing_stats=False``."""
 
-_STATE_VERSION = 1
+_STATE_VERSION = 2
 
 
 # ------------------------------------------------------------------ the dataset
 
 
 class _Shard(NamedTuple):
-    """Where an iterator runs: its index among ``count`` shards, and the key of its state (worker / workers)."""
+    """Where an iterator runs: it takes the plan's batches ``index, index + count, ...``; ``key`` names its state.
+
+    ``index = worker * world + rank`` and ``count = world * num_workers``
+    (NOTE [How the loader shards and resumes]); ``key`` is ``"worker/workers"``.
+    """
 
     index: int
     count: int
     key: str
 
 
+class _Store(NamedTuple):
+    """The tokens of some documents: flat tokens and labels (None: the tokens), documents sorted, where each starts."""
+
+    tokens: torch.Tensor
+    labels: torch.Tensor | None
+    document: torch.Tensor
+    start: torch.Tensor
+
+
+class _Step(NamedTuple):
+    """One batch of the epoch's plan: its window, its rows, its place, the state after it, the tokens to build it."""
+
+    packed: Window
+    rows: torch.Tensor
+    index: int  # among the window's batches
+    number: int  # among the epoch's batches
+    state: dict[str, Any]
+    store: _Store | None  # None where the shard does not build the window's batches (or reads lengths only)
+
+
+class _End(NamedTuple):
+    """The end of the epoch's plan: its batches, and whether the last one has fewer than ``batch`` rows."""
+
+    total: int
+    partial: bool
+
+
 def _fresh_state() -> dict[str, Any]:
     empty = Carry.empty()
-    return {"position": 0, "emitted": 0, "finished": False, "carry": _carry_state(empty)}
+    return {"position": 0, "emitted": 0, "batches": 0, "finished": False, "carry": _carry_state(empty)}
+
+
+def _finished_state() -> dict[str, Any]:
+    return {**_fresh_state(), "finished": True}
 
 
 def _check_state(state: Mapping[str, Any]) -> None:
@@ -109,7 +158,7 @@ def _check_state(state: Mapping[str, Any]) -> None:
     if state["epoch"] < 0:
         raise ValueError(f"the state_dict's 'epoch' is negative: {state['epoch']}")
     for shard, progress in state["shards"].items():
-        for key in ("position", "emitted"):
+        for key in ("position", "emitted", "batches"):
             value = progress.get(key) if isinstance(progress, Mapping) else None
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"shard {shard!r} of the state_dict has no count {key!r} of at least 0: {value!r}")
@@ -178,15 +227,26 @@ class PackedDataset(IterableDataset):
             epoch (:meth:`set_epoch`); indexable examples only.
         seed: Seed of that order.
         rank, world: This data-parallel rank and the number of ranks.
-        drop_last: Drop each shard's last, partly filled batch.
+        drop_last: Drop the epoch's last, partly filled batch, and the
+            batches past the last multiple of ``world`` (instead of
+            repeating the epoch's first batches to complete the last round).
         padding_token_id: ``input_ids`` at padding (an int that int64 holds).
         packing_stats: Add ``packing_stats`` to every batch (on by default:
             it costs under 2% of the loader's time, ``scripts/bench_packer.py
             --parts loader``). It changes no other key and no state: a state
             saved with it on resumes with it off.
 
-    Each shard (a worker of a rank) yields its own batches, so ranks may
-    yield a different number of batches per epoch.
+    Every rank yields the same number of batches per epoch,
+    :meth:`batches_per_rank`, whatever its number of workers: one packing
+    plan covers the epoch, which every rank and worker computes from the
+    documents' lengths alone (no collective); rank ``r`` takes its batches
+    ``r, r + world, ...`` and reads only their tokens. With ``N`` batches in
+    the plan, each rank yields ``ceil(N / world)``: the ranks that the last
+    round leaves short take the plan's first batches again (at most
+    ``world - 1`` batches repeated an epoch). With ``drop_last=True`` the
+    plan's partial last batch is dropped, then its last ``N' % world`` full
+    batches, and each rank yields ``N' // world``. See NOTE [How the loader
+    shards and resumes].
 
     Raises:
         TypeError, ValueError: bad arguments, at construction; bad examples
@@ -352,7 +412,7 @@ class PackedDataset(IterableDataset):
 
         def sent(shard: _Shard) -> Iterator[dict[str, Any]]:
             """The shard's state after each batch it sends."""
-            return (state for packed, _, _, state in self._windows(shard, None, True) if packed is not None)
+            return (state for step, state in self._sent(shard, None, True) if step is not None)
 
         totals = [sum(1 for _ in itertools.islice(sent(shard), batches)) for shard in shards]
         taken = [0] * workers
@@ -372,11 +432,27 @@ class PackedDataset(IterableDataset):
             "rotation": following,
         }
 
+    def batches_per_rank(self, epoch: int | None = None) -> int:
+        """The batches every rank yields in ``epoch`` (this dataset's epoch by default), with any number of workers.
+
+        ``ceil(N / world)`` for the ``N`` batches of the epoch's plan, or
+        with ``drop_last=True`` ``N' // world`` for its ``N'`` full ones
+        (NOTE [How the loader shards and resumes]). It replays the plan over
+        the documents' lengths (every document's length is read once, no
+        batch is built); the dataset's own state is left alone.
+        """
+        replay = copy.copy(self)
+        replay.set_epoch(self.epoch if epoch is None else epoch)
+        state = _fresh_state()
+        reader = _Reader(replay, 0, state, lengths_only=True, whole=False)
+        end = next(step for step in replay._plan(state, reader, lambda number: False) if isinstance(step, _End))
+        return replay._per_rank(end)
+
     # ---------------------------------------------------------------- iteration
 
     def _shard(self, worker: int, num_workers: int) -> _Shard:
         workers = max(num_workers, 1)
-        return _Shard(self.rank * workers + worker, self.world * workers, f"{worker}/{workers}")
+        return _Shard(worker * self.world + self.rank, self.world * workers, f"{worker}/{workers}")
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         info = get_worker_info()
@@ -395,46 +471,109 @@ class PackedDataset(IterableDataset):
         generator = torch.Generator().manual_seed((self.seed * 1_000_003 + self.epoch) % (2**63))
         return torch.randperm(count, generator=generator)
 
-    def _windows(
-        self, shard: _Shard, state: Mapping[str, Any] | None, lengths_only: bool
-    ) -> Iterator[tuple[Window, torch.Tensor, Any, dict[str, Any]]]:
-        """Each batch a shard sends, from ``state``: ``(window, its rows, the window's tokens, the state after it)``."""
-        state = dict(state or _fresh_state())
-        if state["finished"]:
-            return
-        reader = _Reader(self._examples, self, shard, state, lengths_only)
+    def _per_rank(self, end: _End) -> int:
+        """The batches each rank yields in an epoch whose plan ends at ``end`` (the remainder rule)."""
+        if self.drop_last:
+            return (end.total - end.partial) // self.world
+        return -(-end.total // self.world)
+
+    def _plan(
+        self,
+        state: Mapping[str, Any],
+        reader: _Reader,
+        own: Callable[[int], bool],
+        on_window: Callable[[Window], None] | None = None,
+    ) -> Iterator[_Step | _End]:
+        """The epoch's batches from ``state`` on, every shard's, then its :class:`_End`.
+
+        A window's lengths make its plan; the tokens of the batches ``own``
+        takes (by number) are read once per window, into the steps' store.
+        ``on_window`` sees each window packed.
+        """
+        state = dict(state)
         resumed = state.get("lengths")  # a restored shard's window, read again: its lengths must be the same
+        check_carried = True
         while True:
             carry = _carry_from_state(state["carry"])
             tokens, final = reader.window(state["position"], self.window)
             lengths = _fingerprint(tokens.length)
             if resumed is not None and lengths != resumed:
                 raise ValueError(
-                    f"the state_dict does not match these examples: the documents of shard {shard.index} from "
+                    f"the state_dict does not match these examples: the documents of shard {reader.shard} from "
                     f"position {state['position']} on have other lengths than when the state was saved"
                 )
             resumed = None
+            if check_carried:  # the carried pieces of a restored shard
+                reader.check_carried(carry)
+                check_carried = False
             new = Items(tokens.document, torch.zeros_like(tokens.length), tokens.length, tokens.length)
             packed = pack_window(carry, new, self._budgets, self.batch, final)
-            store = None if lengths_only else reader.store(carry, tokens)
-            for index, rows in enumerate(packed.batches):
-                if index < state["emitted"]:
-                    continue
-                if rows.shape[0] < self.batch and self.drop_last:
-                    break
-                state = {**state, "emitted": index + 1, "lengths": lengths}
-                yield packed, rows, store, state
-            if store is not None:
-                reader.keep(packed, store)
+            if on_window is not None:
+                on_window(packed)
+            first, emitted = state["batches"], state["emitted"]
+            mine = [rows for index, rows in enumerate(packed.batches[emitted:], emitted) if own(first + index)]
+            store = reader.store(packed, tokens, mine) if mine and not reader.lengths_only else None
+            reader.keep(packed.carry)
+            for index in range(emitted, len(packed.batches)):
+                after = {**state, "emitted": index + 1, "lengths": lengths}
+                yield _Step(packed, packed.batches[index], index, first + index, after, store)
+            total = first + len(packed.batches)
+            if final:
+                yield _End(total, bool(packed.batches) and packed.batches[-1].shape[0] < self.batch)
+                return
             state = {
                 "position": state["position"] + tokens.document.shape[0],
                 "emitted": 0,
-                "finished": final,
+                "batches": total,
+                "finished": False,
                 "carry": _carry_state(packed.carry),
             }
-            if final:
-                yield None, None, None, state  # the end: the state only
-                return
+
+    def _sent(
+        self,
+        shard: _Shard,
+        state: Mapping[str, Any] | None,
+        lengths_only: bool,
+        on_window: Callable[[Window], None] | None = None,
+    ) -> Iterator[tuple[_Step | None, dict[str, Any]]]:
+        """Each batch the shard sends from ``state``, with the state after it, then ``(None, the end's state)``."""
+        state = dict(state or _fresh_state())
+        if state["finished"]:
+            return
+
+        def own(number: int) -> bool:
+            return number % shard.count == shard.index
+
+        reader = _Reader(self, shard.index, state, lengths_only, whole=shard.count == 1)
+        # With drop_last, the world batches before the plan's end wait until it is known whether they are sent.
+        waiting: deque[_Step] = deque()
+        for step in self._plan(state, reader, own, on_window):
+            if isinstance(step, _End):
+                end = step
+                break
+            waiting.append(step)
+            while len(waiting) > (self.world if self.drop_last else 0):
+                step = waiting.popleft()
+                if own(step.number):
+                    yield step, step.state
+        sent = self._per_rank(end) * self.world  # the batches of the epoch, over all ranks
+        for step in waiting:
+            if step.number < sent and own(step.number):
+                yield step, step.state
+        for number in range(end.total, sent):  # the last round: the plan's first batches again
+            if own(number):
+                yield self._again(shard, number % end.total, lengths_only), _finished_state()
+        yield None, _finished_state()
+
+    def _again(self, shard: _Shard, number: int, lengths_only: bool) -> _Step:
+        """Batch ``number`` of the epoch's plan, replayed from the epoch's start for ``shard``."""
+        state = _fresh_state()
+        reader = _Reader(self, shard.index, state, lengths_only, whole=False)
+        return next(
+            step
+            for step in self._plan(state, reader, lambda wanted: wanted == number)
+            if isinstance(step, _Step) and step.number == number
+        )
 
 
 def _turns(totals: list[int]) -> Iterator[int]:
@@ -445,100 +584,111 @@ def _turns(totals: list[int]) -> Iterator[int]:
                 yield worker
 
 
-class _Reader:
-    """Reads a shard's windows of documents, and the tokens of carried pieces a restored shard needs again."""
+def _store(*parts: Tokens) -> _Store:
+    """The :class:`_Store` of the documents of ``parts`` (read with their tokens)."""
+    document = torch.cat([part.document for part in parts])
+    length = torch.cat([part.length for part in parts])
+    tokens = torch.cat([part.tokens for part in parts])
+    labels = None
+    if any(part.labels is not None for part in parts):
+        labels = torch.cat([part.tokens if part.labels is None else part.labels for part in parts])
+    start = torch.cumsum(length, 0) - length
+    document, order = torch.sort(document)
+    return _Store(tokens, labels, document, start.index_select(0, order))
 
-    def __init__(self, examples: Examples, dataset: PackedDataset, shard: _Shard, state, lengths_only: bool) -> None:
-        self.examples, self.shard, self.lengths_only = examples, shard, lengths_only
-        self.order = dataset._order()[shard.index :: shard.count] if examples.count is not None else None
-        self.stream = None
-        self.read = 0  # own documents read from the stream (non-indexable examples)
-        self.carried: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}  # carried documents' tokens
-        self.kept: tuple[torch.Tensor, torch.Tensor | None] | None = None  # carried pieces' tokens, in carry order
-        carry = state["carry"]
-        self.wanted = set(carry["document"].tolist())
+
+class _Reader:
+    """Reads the epoch's documents a window at a time (their lengths), and the tokens of a shard's batches.
+
+    Indexable examples are read by index: a window's lengths, then the
+    documents of the shard's batches in it (the shard that takes every
+    batch, ``whole``, reads each window's tokens with its lengths). A
+    re-iterable is read in one pass; each window's examples, and those with
+    pieces carried on, are held decoded until their batches are built.
+    """
+
+    def __init__(
+        self, dataset: PackedDataset, shard: int, state: Mapping[str, Any], lengths_only: bool, whole: bool
+    ) -> None:
+        self.examples, self.shard, self.lengths_only = dataset._examples, shard, lengths_only
+        self.whole = whole and not lengths_only
+        self.order = dataset._order() if self.examples.count is not None else None
+        self.stream: Iterator[tuple[int, object]] | None = None
+        self.read = 0  # examples read from the stream (non-indexable examples)
+        self.held: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}  # decoded examples of a stream
+        self.wanted = set(state["carry"]["document"].tolist())  # a restored shard's carried documents
 
     def window(self, position: int, size: int) -> tuple[Tokens, bool]:
+        """The documents of the window at ``position`` (lengths; tokens too when ``whole``), and whether it is last."""
         if self.order is not None:
             documents = self.order[position : position + size].tolist()
             # As pack_stream: a window that reads fewer documents than its size is the last one.
-            return self.examples.read(documents, lengths_only=self.lengths_only), len(documents) < size
+            return self.examples.read(documents, lengths_only=not self.whole), len(documents) < size
         if self.stream is None:
-            self.stream = self._own()
+            self.stream = self.examples.stream()
         while self.read < position:  # a restored shard: skip what was read before, keeping carried documents
-            if next(self.stream, None) is None:
+            entry = next(self.stream, None)
+            if entry is None:
                 raise ValueError(
-                    f"the state_dict does not match these examples: it resumes shard {self.shard.index} after "
+                    f"the state_dict does not match these examples: it resumes shard {self.shard} after "
                     f"{position} of its examples, and they hold {self.read}"
                 )
-        chunk = list(itertools.islice(self.stream, size))
-        decoded = [decode_example(example, index) for index, example in chunk]
-        return concatenate([index for index, _ in chunk], decoded, self.lengths_only), len(chunk) < size
-
-    def _own(self) -> Iterator[tuple[int, object]]:
-        for index, example in self.examples.stream():
-            if index % self.shard.count != self.shard.index:
-                continue
-            if index in self.wanted and self.kept is None:
-                self.carried[index] = decode_example(example, index)
+            index, example = entry
+            if index in self.wanted:
+                self.held[index] = decode_example(example, index)
             self.read += 1
-            yield index, example
+        chunk = list(itertools.islice(self.stream, size))
+        self.read += len(chunk)
+        decoded = [decode_example(example, index) for index, example in chunk]
+        if not self.lengths_only:
+            self.held.update((index, values) for (index, _), values in zip(chunk, decoded, strict=True))
+        return concatenate([index for index, _ in chunk], decoded, True), len(chunk) < size
 
-    def store(self, carry: Carry, tokens: Tokens) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-        """Flat tokens and labels of the window's items (carried pieces first), and where each item starts."""
-        if self.kept is None:
-            self.kept = self._restore(carry)
-        kept_tokens, kept_labels = self.kept
-        all_tokens = torch.cat([kept_tokens, tokens.tokens])
-        labels = None
-        if kept_labels is not None or tokens.labels is not None:
-            labels = torch.cat(
-                [
-                    kept_tokens if kept_labels is None else kept_labels,
-                    tokens.tokens if tokens.labels is None else tokens.labels,
-                ]
-            )
-        lengths = torch.cat([carry.items.length, tokens.length])
-        return all_tokens, labels, torch.cumsum(lengths, 0) - lengths
-
-    def _restore(self, carry: Carry) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The carried pieces' tokens of a restored shard, read again from their documents."""
+    def check_carried(self, carry: Carry) -> None:
+        """Raise when a restored shard's carried pieces do not match these examples' documents."""
         documents = carry.items.document.tolist()
         if not documents:
-            return torch.zeros(0, dtype=torch.int64), None
+            return
         unique = sorted(set(documents))
         if self.order is not None:
-            read = self.examples.read(unique)
+            held = dict(zip(unique, self.examples.read(unique, lengths_only=True).length.tolist(), strict=True))
         else:
-            missing = [index for index in unique if index not in self.carried]
+            missing = [index for index in unique if index not in self.held]
             if missing:
                 raise ValueError(
                     f"the state_dict does not match these examples: it carries a piece of example {missing[0]}, "
                     "which these examples do not reach"
                 )
-            read = concatenate(unique, [self.carried[index] for index in unique], False)
-        held = dict(zip(unique, read.length.tolist(), strict=True))
+            held = {index: self.held[index][0].shape[0] for index in unique}
         for document, total in zip(documents, carry.items.total.tolist(), strict=True):
             if held[document] != total:
                 raise ValueError(
                     f"the state_dict does not match these examples: it carries a piece of example {document} "
                     f"of {total} tokens, which has {held[document]} here"
                 )
-        starts = dict(zip(unique, (torch.cumsum(read.length, 0) - read.length).tolist(), strict=True))
-        source = torch.tensor([starts[document] for document in documents], dtype=torch.int64) + carry.items.offset
-        positions = token_positions(source, carry.items.length)
-        labels = None if read.labels is None else read.labels.index_select(0, positions)
-        return read.tokens.index_select(0, positions), labels
 
-    def keep(self, packed: Window, store) -> None:
-        """Keep the tokens of the pieces carried into the next window."""
-        tokens, labels, starts = store
-        carried = packed.carried_pieces
-        item = packed.plan.item.index_select(0, carried)
-        offset = packed.plan.offset.index_select(0, carried) - packed.items.offset.index_select(0, item)
-        positions = token_positions(starts.index_select(0, item) + offset, packed.plan.length.index_select(0, carried))
-        kept_labels = None if labels is None else labels.index_select(0, positions)
-        self.kept = (tokens.index_select(0, positions), kept_labels)
+    def store(self, packed: Window, tokens: Tokens, batches: list[torch.Tensor]) -> _Store:
+        """The tokens of the documents with pieces in ``batches`` (rows of the packed window)."""
+        plan = packed.plan
+        selected = torch.zeros(plan.rows, dtype=torch.bool).index_fill_(0, torch.cat(batches), True)
+        pieces = torch.nonzero(selected.index_select(0, plan.row)).reshape(-1)
+        documents = torch.unique(packed.items.document.index_select(0, plan.item.index_select(0, pieces)))
+        if self.order is None:
+            wanted = documents.tolist()
+            return _store(concatenate(wanted, [self.held[index] for index in wanted], False))
+        if tokens.tokens is None:
+            return _store(self.examples.read(documents.tolist()))
+        # A window read whole holds its own documents; those of pieces carried into it are read again.
+        earlier = torch.nonzero(~torch.isin(documents, tokens.document)).reshape(-1)
+        if not earlier.numel():
+            return _store(tokens)
+        return _store(tokens, self.examples.read(documents.index_select(0, earlier).tolist()))
+
+    def keep(self, carry: Carry) -> None:
+        """Forget the decoded examples of a stream but those with pieces carried into the next window."""
+        if self.held:
+            carried = set(carry.items.document.tolist())
+            self.held = {index: values for index, values in self.held.items() if index in carried}
 
 
 class _PackedIterator:
@@ -549,8 +699,8 @@ class _PackedIterator:
         self.resume: dict[str, Any] | None = None
         self.batches: Iterator | None = None
         self.window_stats: tuple[Window, tuple[torch.Tensor, ...]] | None = None  # the window's packing_stats
-        self.fill_checked: Window | None = None  # the last window counted for FillWarning
-        self.thrown = ThrownFill()  # over the windows counted
+        self.thrown = ThrownFill()  # over the windows packed, for FillWarning
+        self.counted = False  # windows were counted since the last check
         if pending is not None:
             self._resume_from(pending)
         self.state = self.resume or _fresh_state()
@@ -588,30 +738,31 @@ class _PackedIterator:
 
     def __next__(self) -> dict[str, torch.Tensor]:
         if self.batches is None:
-            self.batches = self.dataset._windows(self.shard, self.resume, False)
+            self.batches = self.dataset._sent(self.shard, self.resume, False, self._count_fill)
         while True:
-            packed, rows, store, state = next(self.batches)
+            step, state = next(self.batches)
             self.state = state
             self.dataset._states[self.shard.key] = state
-            if not self.dataset._fill_warned and (packed is None or packed is not self.fill_checked):
-                self._check_fill(packed)
-            if packed is not None:
-                batch = _tensors(packed, rows, store, self.dataset)
+            if not self.dataset._fill_warned and (
+                step is None or (self.counted and self.thrown.rows >= FILL_WARNING_ROWS)
+            ):
+                self._check_fill()
+            if step is not None:
+                batch = _tensors(step, self.dataset)
                 if self.dataset.packing_stats:
-                    batch["packing_stats"] = self._stats(packed, state["emitted"] - 1)
+                    batch["packing_stats"] = self._stats(step.packed, step.index)
                 return batch
 
-    def _check_fill(self, packed: Window | None) -> None:
-        """Count a new window's rows (None: the iteration's end) and warn once when the cap or the budget threw fill
-        away (:func:`~packfn.data.stats.fill_warning`)."""
-        budgets = self.dataset._budgets
-        if packed is not None:
-            self.fill_checked = packed
-            if packed.batches:
-                self.thrown = self.thrown.plus(thrown_fill(packed.plan, torch.cat(packed.batches), budgets))
-            if self.thrown.rows < FILL_WARNING_ROWS:
-                return
-        message = fill_warning(self.thrown, budgets)
+    def _count_fill(self, packed: Window) -> None:
+        """Count a window's rows (every shard counts the whole plan's) for :func:`~packfn.data.stats.fill_warning`."""
+        if packed.batches and not self.dataset._fill_warned:
+            self.thrown = self.thrown.plus(thrown_fill(packed.plan, torch.cat(packed.batches), self.dataset._budgets))
+            self.counted = True
+
+    def _check_fill(self) -> None:
+        """Warn once when the cap or the budget threw fill away (:func:`~packfn.data.stats.fill_warning`)."""
+        self.counted = False
+        message = fill_warning(self.thrown, self.dataset._budgets)
         if message is not None:
             self.dataset._fill_warned = True
             warnings.warn(f"PackedDataset: {message}", FillWarning, stacklevel=3)
@@ -637,26 +788,26 @@ class _PackedIterator:
         return self.window_stats[1][index]
 
 
-def _tensors(packed: Window, rows: torch.Tensor, store, dataset: PackedDataset) -> dict[str, torch.Tensor]:
-    """The batch dict of ``rows`` of a packed window (see :class:`PackedDataset`)."""
+def _tensors(step: _Step, dataset: PackedDataset) -> dict[str, torch.Tensor]:
+    """The batch dict of a step of the plan (see :class:`PackedDataset`)."""
     budgets, batch = dataset._budgets, dataset.batch
     sequence, cap = budgets.sequence, budgets.max_documents
-    result, item = batch_and_items(packed.plan, packed.items, rows, batch, budgets)
-    tokens, labels, starts = store
+    packed, store = step.packed, step.store
+    result, _ = batch_and_items(packed.plan, packed.items, step.rows, batch, budgets)
     pieces = result.pieces
-    # index_select / index_copy_, not advanced indexing: NOTE [No advanced indexing on the packing path] (packer.py)
-    offset = pieces.offset - packed.items.offset.index_select(0, item)
-    source = token_positions(starts.index_select(0, item) + offset, pieces.length)
+    # index_select / index_copy_, not advanced indexing: NOTE [No advanced indexing on the packing path] (fit.py)
+    start = store.start.index_select(0, torch.searchsorted(store.document, pieces.document))
+    source = token_positions(start + pieces.offset, pieces.length)
     target = token_positions(pieces.row * sequence + pieces.column, pieces.length)
     input_ids = torch.full((batch * sequence,), dataset.padding_token_id, dtype=torch.int64)
-    input_ids.index_copy_(0, target, tokens.index_select(0, source))
+    input_ids.index_copy_(0, target, store.tokens.index_select(0, source))
     input_ids = input_ids.view(batch, sequence)
     document_ids = result.document_ids
-    if labels is None:  # the labels are the tokens: the pieces' tokens are where the ids are not 0
+    if store.labels is None:  # the labels are the tokens: the pieces' tokens are where the ids are not 0
         label_row = torch.where(document_ids == 0, IGNORE_INDEX, input_ids)
     else:
         label_row = torch.full((batch * sequence,), IGNORE_INDEX, dtype=torch.int64)
-        label_row.index_copy_(0, target, labels.index_select(0, source))
+        label_row.index_copy_(0, target, store.labels.index_select(0, source))
         label_row = label_row.view(batch, sequence)
     # The packer's ids obey the mask rules: the op's rule flags need no check.
     positions, next_token, _ = _format_ops.document_positions_op(document_ids)

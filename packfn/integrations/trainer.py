@@ -37,7 +37,6 @@ are exactly an uninterrupted run's, at the cost of one window per worker
 
 from __future__ import annotations
 
-import copy
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -187,11 +186,11 @@ class PackedLoader:
     def epoch_batches(self) -> int | None:
         """The batches this process's loader yields in the current epoch; None for examples without a length.
 
-        Counted once an epoch by replaying the packing of each of its
-        workers' shards from the documents' lengths (no batch is built).
+        Counted once an epoch by replaying the epoch's packing plan from the
+        documents' lengths (no batch is built).
         """
         if self._epoch_batches is None or self._epoch_batches[0] != self.epoch:
-            self._epoch_batches = (self.epoch, _count_batches(self.dataset, self.epoch, self.num_workers))
+            self._epoch_batches = (self.epoch, _count_batches(self.dataset, self.epoch))
         return self._epoch_batches[1]
 
     def epoch_progress(self) -> float:
@@ -231,23 +230,15 @@ class PackedLoader:
             self._loader.load_state_dict(state["loader"])
 
 
-def _count_batches(dataset: PackedDataset, epoch: int, num_workers: int) -> int | None:
+def _count_batches(dataset: PackedDataset, epoch: int) -> int | None:
     """The batches ``DataLoader(dataset, num_workers=...)`` yields in ``epoch`` in this process (None: no length).
 
-    Reads the loader's own packing replay (``PackedDataset._windows`` over
-    lengths only, as :meth:`PackedDataset.state_after` does), on a copy set
-    to ``epoch`` (the dataset's state and pending resume are left alone).
+    :meth:`PackedDataset.batches_per_rank`: the same on every rank, with
+    any number of workers (the dataset's state is left alone).
     """
     if dataset.settings()["examples"] is None:
         return None
-    replay = copy.copy(dataset)
-    replay.set_epoch(epoch)
-    return sum(
-        1
-        for worker in range(max(num_workers, 1))
-        for packed, _, _, _ in replay._windows(replay._shard(worker, num_workers), None, True)
-        if packed is not None
-    )
+    return dataset.batches_per_rank(epoch)
 
 
 def _checkpoint_file(args: Any, step: int) -> str:

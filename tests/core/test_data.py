@@ -137,23 +137,37 @@ def test_labels_and_loss_masks_follow_their_tokens():
 # ------------------------------------------------------------------ determinism and sharding
 
 
+def rank_batches(documents: list[list[int]], kwargs: dict, rank: int, workers: int) -> list[dict]:
+    """A rank's batches in the order a ``DataLoader`` with ``workers`` workers yields them (its j-th: worker j % W)."""
+    shards = []
+    for worker in range(workers):
+        info = mock.Mock(id=worker, num_workers=workers)
+        with mock.patch.object(data_module, "get_worker_info", return_value=info):
+            shards.append(list(PackedDataset(documents, **kwargs, rank=rank)))
+            assert_same_batches(shards[-1], list(PackedDataset(documents, **kwargs, rank=rank)))  # deterministic
+    total = sum(len(batches) for batches in shards)
+    assert [len(batches) for batches in shards] == [len(range(worker, total, workers)) for worker in range(workers)]
+    return [shards[turn % workers][turn // workers] for turn in range(total)]
+
+
 @HYPOTHESIS
-@given(loader_cases(), st.integers(0, 3), st.integers(1, 3), st.integers(1, 3))
-def test_workers_and_ranks_split_the_documents_with_none_lost_or_seen_twice(case, seed, world, workers):
+@given(loader_cases(), st.integers(0, 3), st.integers(1, 4), st.integers(1, 3), st.booleans())
+def test_ranks_and_workers_take_the_single_process_batches_in_turn_and_as_many_each(
+    case, seed, world, workers, drop_last
+):
     kwargs, documents = case
-    shuffle = len(documents) > 1
-    every = []
-    for rank in range(world):
-        for worker in range(workers):
-            dataset = PackedDataset(documents, **kwargs, shuffle=shuffle, seed=seed, rank=rank, world=world)
-            info = mock.Mock(id=worker, num_workers=workers)
-            with mock.patch.object(data_module, "get_worker_info", return_value=info):
-                batches = list(dataset)
-            again = PackedDataset(documents, **kwargs, shuffle=shuffle, seed=seed, rank=rank, world=world)
-            with mock.patch.object(data_module, "get_worker_info", return_value=info):
-                assert_same_batches(batches, list(again))  # deterministic for a seed
-            every.extend(batches)
-    assert_conserved(every, documents)  # the union is the dataset, with no overlap
+    kwargs = {**kwargs, "shuffle": len(documents) > 1, "seed": seed, "drop_last": drop_last}
+    plan = list(PackedDataset(documents, **kwargs))  # one process: the epoch's plan (drop_last: its full batches)
+    ranks = [rank_batches(documents, {**kwargs, "world": world}, rank, workers) for rank in range(world)]
+    # Every rank the same count: ceil(N / world), the last round completed by the plan's first batches again;
+    # with drop_last, N // world of its full batches.
+    each = len(plan) // world if drop_last else -(-len(plan) // world)
+    assert [len(batches) for batches in ranks] == [each] * world
+    assert PackedDataset(documents, **kwargs, world=world).batches_per_rank() == each
+    dealt = [ranks[number % world][number // world] for number in range(each * world)]
+    assert_same_batches(dealt, [plan[number % len(plan)] for number in range(each * world)])
+    if not drop_last:
+        assert_conserved(dealt[: len(plan)], documents)  # the union is the dataset, with no overlap
 
 
 def test_a_seed_and_an_epoch_set_the_order():
