@@ -214,6 +214,13 @@ def test_statefuldataloader_resumes_inside_two_workers():
 @given(loader_cases(), st.data())
 def test_a_restored_dataset_continues_exactly_where_the_state_was_taken(case, data):
     kwargs, documents = case
+    world = data.draw(st.integers(1, 3))  # a rank's cuts include those inside the last round's repeated batches
+    kwargs = {
+        **kwargs,
+        "world": world,
+        "rank": data.draw(st.integers(0, world - 1)),
+        "drop_last": data.draw(st.booleans()),
+    }
     uninterrupted = list(PackedDataset(documents, **kwargs))
     stop = data.draw(st.integers(0, len(uninterrupted)))
     dataset = PackedDataset(documents, **kwargs)
@@ -245,6 +252,29 @@ def test_a_re_iterable_that_is_not_a_sequence_resumes_by_skipping():
     restored = PackedDataset(Examples(), **SMALL)
     restored.load_state_dict(dataset.state_dict())
     assert_same_batches(uninterrupted, head + list(restored))
+
+
+def test_a_stream_without_a_length_gives_every_rank_as_many_batches_and_resumes_in_the_last_round():
+    # 39 documents pack into 9 batches: at world 4 ranks 1, 2 and 3 take batches 0, 1 and 2 again.
+    documents = [[index + 1] * (1 + index * 5 % 17) for index in range(39)]
+
+    class Examples:
+        def __iter__(self):
+            return iter(documents)
+
+    plan = list(PackedDataset(documents, **SMALL))
+    assert len(plan) == 9
+    for rank in range(4):
+        from_stream = list(PackedDataset(Examples(), **SMALL, rank=rank, world=4))
+        assert_same_batches(from_stream, [plan[number % 9] for number in range(rank, 12, 4)])
+        for stop in range(len(from_stream) + 1):
+            dataset = PackedDataset(Examples(), **SMALL, rank=rank, world=4)
+            iterator = iter(dataset)
+            head = [next(iterator) for _ in range(stop)]
+            restored = PackedDataset(Examples(), **SMALL, rank=rank, world=4)
+            restored.load_state_dict(dataset.state_dict())
+            assert_same_batches(from_stream, head + list(restored))
+    assert PackedDataset(Examples(), **SMALL, world=4).batches_per_rank() == 3
 
 
 # ------------------------------------------------------------------ a cap or a budget that throws fill away
@@ -451,3 +481,5 @@ def test_bad_arguments_raise_at_construction():
         )
     with pytest.raises(ValueError, match="batch must be positive"):
         PackedDataset([[1]], batch=0, sequence=8, max_documents=4)
+    with pytest.raises(ValueError, match="epoch must not be negative, got -1"):
+        PackedDataset([[1]], batch=1, sequence=8, max_documents=4).batches_per_rank(-1)
