@@ -201,7 +201,7 @@ _UPSTREAM_HELPERS = {
 
 # NOTE [FlexAttention in the main job]
 # Block size: 128 queries by 128 keys, create_block_mask's default and the tile of the Triton template the
-# kernels run; packfn's aligned rows (alignment 16) need not match it: a block that straddles a document edge is
+# kernels run; the aligned rows' --alignment (16) need not match it: a block that straddles a document edge is
 # a partial block, evaluated through mask_mod, and separate_full_blocks=True (both builders' default) keeps the
 # full blocks apart so the kernel skips mask_mod there.
 # BlockMask reuse: every layer attends over the same documents, so each step builds one BlockMask and hands it to
@@ -212,8 +212,8 @@ _UPSTREAM_HELPERS = {
 # create_block_mask on their own (torch.compile, default mode), as torchtitan does. NeMo AutoModel's own
 # FlexAttention module compiles with mode="max-autotune-no-cudagraphs"; neither side autotunes here, which would
 # add minutes of compile to both. q and k leave RoPE in float32 (cos / sin are float32): decode_with casts them
-# to the value's dtype (bf16 under autocast), as every kernel here takes one dtype, and a float32 flex kernel
-# would be several times slower than the bf16 one.
+# to the value's dtype (bf16 under autocast): every kernel here takes one dtype, and FlexAttention given float32
+# queries would run its float32 kernel.
 
 
 def precision(device: torch.device) -> contextlib.AbstractContextManager:
@@ -655,15 +655,13 @@ class MainJobReport:
     def memory_line(self) -> str:
         """Each driver's peak GPU memory over its timed steps, and the most one step added to what it began with."""
         mib = 2**20
-        return (
-            "; ".join(
-                f"{_TITLES[name]} {driver.peak_bytes / mib:,.0f} MiB (a step +{driver.step_peak_bytes / mib:,.0f} MiB)"
-                for name in (UPSTREAM_EAGER, UPSTREAM_COMPILED, PACKFN)
-                if (driver := self.drivers.get(name)) is not None and driver.peak_bytes is not None
-            )
-            + " (torch.cuda.max_memory_allocated, reset at each step; the three models' weights and AdamW states stay "
-            "resident throughout)"
-        )
+        peaks = [
+            f"{_TITLES[name]} {driver.peak_bytes / mib:,.0f} MiB (a step +{driver.step_peak_bytes / mib:,.0f} MiB)"
+            for name in (UPSTREAM_EAGER, UPSTREAM_COMPILED, PACKFN)
+            if (driver := self.drivers.get(name)) is not None and driver.peak_bytes is not None
+        ]
+        how = "torch.cuda.max_memory_allocated, reset at each step; the three models and AdamW states stay resident"
+        return f"{'; '.join(peaks)} ({how})"
 
     def _helpers_ms(self) -> str:
         return "unmeasured" if self.upstream_helpers_s is None else f"{self.upstream_helpers_s * 1e3:.1f} ms"
