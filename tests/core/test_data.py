@@ -466,6 +466,18 @@ def test_a_state_dict_from_a_loader_with_other_settings_raises():
         iter(dataset)
 
 
+def test_a_state_dict_of_the_per_shard_packing_or_without_its_batch_count_raises():
+    documents = [[1, 2]] * 10
+    dataset = PackedDataset(documents, **SMALL)
+    next(iter(dataset))
+    state = dataset.state_dict()
+    with pytest.raises(ValueError, match=r"not a PackedDataset state_dict \(version 2\)"):
+        PackedDataset(documents, **SMALL).load_state_dict({**state, "version": 1})
+    shards = {key: {**progress, "batches": -1} for key, progress in state["shards"].items()}
+    with pytest.raises(ValueError, match="shard '0/1' of the state_dict has no count 'batches' of at least 0: -1"):
+        PackedDataset(documents, **SMALL).load_state_dict({**state, "shards": shards})
+
+
 def test_bad_arguments_raise_at_construction():
     with pytest.raises(TypeError, match="a one-shot iterator cannot be split across workers"):
         PackedDataset(iter([[1]]), batch=1, sequence=8, max_documents=4)
