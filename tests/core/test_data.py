@@ -194,6 +194,21 @@ def test_two_dataloader_workers_split_the_documents_and_a_plain_dataloader_resum
         assert_same_batches(uninterrupted[consumed:], rest)
 
 
+def test_a_rank_yields_the_same_batches_with_two_dataloader_workers_and_resumes_in_the_last_round():
+    # 120 documents pack into 22 batches: at world 3 rank 2 takes 8, the last one (number 23) batch 1 again.
+    documents = [[index + 1] * (1 + index % 13) for index in range(120)]
+    kwargs = {**SMALL, "rank": 2, "world": 3, "shuffle": True}
+    plan = list(PackedDataset(documents, **{**kwargs, "rank": 0, "world": 1}))
+    assert len(plan) == 22
+    uninterrupted = list(DataLoader(PackedDataset(documents, **kwargs), batch_size=None, num_workers=2))
+    assert_same_batches(uninterrupted, [plan[number % 22] for number in range(2, 24, 3)])
+    for consumed in (3, 7):
+        state = PackedDataset(documents, **kwargs).state_after(consumed, num_workers=2)
+        restored = PackedDataset(documents, **kwargs)
+        restored.load_state_dict(state)
+        assert_same_batches(uninterrupted[consumed:], list(DataLoader(restored, batch_size=None, num_workers=2)))
+
+
 def test_statefuldataloader_resumes_inside_two_workers():
     stateful = pytest.importorskip("torchdata.stateful_dataloader")
     documents = [[index + 1] * (1 + index % 11) for index in range(100)]
