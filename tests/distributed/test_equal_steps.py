@@ -30,7 +30,7 @@ from packfn.data import PackedDataset
 
 from tests.distributed.test_distributed import _free_port
 
-DEADLINE = 180.0  # importing torch in each rank on 2 cores shared with other jobs takes most of it
+DEADLINE = 180.0  # the fork server imports torch once, then each rank trains in a few seconds on 2 shared cores
 VOCAB, COUNT, RESUME_AT = 97, 289, 4
 # 289 documents pack into 58 batches in epoch 0 and 57 in epoch 1: both epochs leave a round incomplete at
 # world 4, epoch 1 at world 2.
