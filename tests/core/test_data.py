@@ -152,7 +152,7 @@ def rank_batches(documents: list[list[int]], kwargs: dict, rank: int, workers: i
 
 
 @HYPOTHESIS
-@given(loader_cases(), st.integers(0, 3), st.integers(1, 4), st.integers(1, 3), st.booleans())
+@given(loader_cases(), st.integers(0, 3), st.integers(1, 4), st.integers(1, 2), st.booleans())
 def test_ranks_and_workers_take_the_single_process_batches_in_turn_and_as_many_each(
     case, seed, world, workers, drop_last
 ):
