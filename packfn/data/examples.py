@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import array
+import sys
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import NamedTuple
 
@@ -13,12 +14,15 @@ from packfn.formats import IGNORE_INDEX
 
 __all__ = [
     "IGNORE_INDEX",
+    "STREAM_ROWS",
+    "ArrowTokens",
     "Examples",
     "Tokens",
     "check_lengths",
     "concatenate",
     "decode_example",
     "is_hf_dataset",
+    "is_hf_stream",
     "token_tensor",
 ]
 
@@ -133,25 +137,76 @@ def concatenate(
 def is_hf_dataset(value: object) -> bool:
     """Whether ``value`` is an HF ``datasets.Dataset``, by its interface.
 
-    A streaming ``IterableDataset`` has no length and is not one: it is read
-    as any re-iterable is.
+    A streaming ``IterableDataset`` has no length and is not one
+    (:func:`is_hf_stream`).
     """
     return hasattr(value, "column_names") and hasattr(value, "with_format") and hasattr(value, "__len__")
 
 
+def is_hf_stream(value: object) -> bool:
+    """Whether ``value`` is an HF streaming ``datasets.IterableDataset``, by its interface (``iter``, no length)."""
+    return (
+        hasattr(value, "column_names")
+        and hasattr(value, "with_format")
+        and hasattr(value, "iter")
+        and not hasattr(value, "__len__")
+    )
+
+
+def _arrow_table(value: object):
+    """``value`` as a ``pyarrow.Table`` when it is a Table or a RecordBatch, else None (pyarrow is not imported)."""
+    pa = sys.modules.get("pyarrow")
+    if pa is None:
+        return None
+    if isinstance(value, pa.RecordBatch):
+        return pa.Table.from_batches([value])
+    return value if isinstance(value, pa.Table) else None
+
+
+STREAM_ROWS = 1000
+"""Rows an HF ``IterableDataset`` is read in at a time (one Arrow table each)."""
+
+TOKEN_COLUMNS = ("input_ids", "labels", "loss_mask")
+
+
 class Examples:
-    """The user's examples behind one interface: indexed reads (lists, HF datasets) or one pass (other iterables)."""
+    """The user's examples behind one interface: indexed reads (lists, Arrow tables, HF datasets) or one pass (streams).
+
+    An HF ``datasets.Dataset`` and a ``pyarrow.Table`` are read in place
+    through Arrow (:class:`ArrowTokens`); an HF ``IterableDataset`` in Arrow
+    tables of :data:`STREAM_ROWS` rows, every process reading all of it
+    (NOTE [Reading an Arrow corpus in place]).
+    """
 
     def __init__(self, examples: object) -> None:
         self.examples = examples
-        self.arrow = None
-        if is_hf_dataset(examples):
+        self.arrow: ArrowTokens | None = None
+        self.hf_stream = None
+        table = _arrow_table(examples)
+        if table is not None:
+            self.arrow = ArrowTokens(table)
+            self.count: int | None = self.arrow.count
+        elif is_hf_dataset(examples):
             columns = list(examples.column_names)
             if "input_ids" not in columns:
                 raise ValueError(f"the dataset has no 'input_ids' column (columns: {columns})")
-            kept = [name for name in ("input_ids", "labels", "loss_mask") if name in columns]
-            self.arrow = examples.select_columns(kept).with_format("arrow")
-            self.count: int | None = len(examples)
+            # The rows of a selected, shuffled or filtered dataset go through its indices mapping (None without one).
+            indices = getattr(examples, "_indices", None)
+            self.arrow = ArrowTokens(examples.data.table, None if indices is None else indices.column(0))
+            self.count = len(examples)
+        elif is_hf_stream(examples):
+            if getattr(examples, "_distributed", None) is not None:
+                # Ranks that read other documents pack other plans and would count other numbers of batches.
+                raise ValueError(
+                    "examples is a stream split by node (datasets.distributed.split_dataset_by_node): pass the whole "
+                    "stream to every rank, PackedDataset deals the batches to the ranks itself (rank=, world=)"
+                )
+            columns = examples.column_names  # None where the stream does not know its features
+            if columns is not None and "input_ids" not in columns:
+                raise ValueError(f"the dataset has no 'input_ids' column (columns: {list(columns)})")
+            kept = None if columns is None else [name for name in TOKEN_COLUMNS if name in columns]
+            self.hf_stream = (examples if kept is None else examples.select_columns(kept)).with_format("arrow")
+            self.count = None
         elif isinstance(examples, Sequence) and not isinstance(examples, (str, bytes)):
             self.count = len(examples)
         elif isinstance(examples, Iterable) and not isinstance(examples, (str, bytes)):
@@ -162,78 +217,250 @@ class Examples:
                 )
             self.count = None
         else:
+            hint = ""
+            if hasattr(examples, "to_table") and hasattr(examples, "count_rows"):  # a pyarrow.dataset.Dataset
+                hint = (
+                    ": for Parquet files, datasets.load_dataset('parquet', data_files=...) writes them once as "
+                    "memory-mapped Arrow, read in place (or streaming=True, read in one pass)"
+                )
             raise TypeError(
-                "examples must be a datasets.Dataset, a sequence or a re-iterable of examples, "
-                f"got {type(examples).__name__}"
+                "examples must be a datasets.Dataset or IterableDataset, a pyarrow.Table, a sequence or a "
+                f"re-iterable of examples, got {type(examples).__name__}{hint}"
             )
 
     def read(self, documents: list[int], *, lengths_only: bool = False) -> Tokens:
         """The examples at ``documents`` (indexable examples only)."""
         if self.arrow is not None:
-            return self._read_arrow(documents, lengths_only)
+            return self.arrow.read(documents, lengths_only=lengths_only)
         return concatenate(
             documents, [decode_example(self.examples[index], index) for index in documents], lengths_only
         )
 
-    def _read_arrow(self, documents: list[int], lengths_only: bool) -> Tokens:
+    def stream(self) -> Iterator[tuple[int, tuple[torch.Tensor, torch.Tensor | None]]]:
+        """``(index, (input_ids, labels or None))`` of every example in order, decoded."""
+        if self.hf_stream is not None:
+            return self._stream_arrow()
+        if self.count is None:
+            return ((index, decode_example(example, index)) for index, example in enumerate(self.examples))
+        return ((index, decode_example(self.examples[index], index)) for index in range(self.count))
+
+    def _stream_arrow(self) -> Iterator[tuple[int, tuple[torch.Tensor, torch.Tensor | None]]]:
+        # iter(), not __iter__: inside a DataLoader worker, __iter__ gives the worker only some of the stream's
+        # shards, and every worker must read all of it to pack the same plan.
+        first = 0
+        for table in self.hf_stream.iter(batch_size=STREAM_ROWS):
+            documents = list(range(first, first + table.num_rows))
+            first += table.num_rows
+            tokens = ArrowTokens(table).read(documents)
+            counts = tokens.length.tolist()
+            pieces = tokens.tokens.split(counts)
+            labels = [None] * len(counts) if tokens.labels is None else tokens.labels.split(counts)
+            yield from zip(documents, zip(pieces, labels, strict=True), strict=True)
+
+
+# ------------------------------------------------------------------ Arrow tables read in place
+
+# NOTE [Reading an Arrow corpus in place]
+# A datasets.Dataset saved with save_to_disk (or cached by load_dataset, Parquet files included) is a table of
+# memory-mapped Arrow record batches; a list column is an offsets buffer ([rows + 1] ints) and a values buffer
+# (the tokens). The loader asks for two things, and each reads only what it needs from those buffers:
+# - the lengths of a window's documents (every process, for the plan): offsets[row + 1] - offsets[row], read
+#   from the offsets buffer through a zero-copy NumPy view, never a row or a token;
+# - the tokens of the documents of its own batches: an Arrow take of those rows, chunk by chunk (a take over a
+#   chunked column may concatenate every chunk first), into one flat int64 array in the documents' order.
+# So the memory a process holds is the window's (its lengths, its own batches' tokens), whatever the corpus
+# size, and a token the process does not train on is never read. HF's indices mapping (select, shuffle,
+# filter) is one more column, read the same way. A stream (IterableDataset) has no offsets to read ahead: it
+# is read whole, in Arrow tables, by every process.
+
+
+class _Chunks:
+    """A ``pyarrow.ChunkedArray`` addressed by row: which chunk holds each row, and where in it."""
+
+    def __init__(self, column) -> None:
+        import numpy as np
+
+        self.type = column.type
+        self.chunks = [chunk for chunk in column.chunks if len(chunk)]
+        sizes = np.array([len(chunk) for chunk in self.chunks], dtype=np.int64)
+        self.ends = np.cumsum(sizes)
+        self.starts = self.ends - sizes
+        self._offsets: dict[int, object] = {}  # per chunk: a NumPy view of its list offsets
+        self._valid: dict[int, object] = {}  # per chunk with nulls: which rows are not null
+
+    def locate(self, rows) -> list[tuple[int, object, object]]:
+        """``(chunk, where, local)`` per chunk holding some of ``rows``: their positions in ``rows``, in the chunk."""
+        import numpy as np
+
+        if not len(rows):
+            return []
+        chunk = np.searchsorted(self.ends, rows, side="right")
+        if (chunk == chunk[0]).all():
+            return [(int(chunk[0]), np.arange(len(rows)), rows - self.starts[chunk[0]])]
+        order = np.argsort(chunk, kind="stable")
+        numbers, firsts = np.unique(chunk[order], return_index=True)
+        parts = []
+        for number, where in zip(numbers.tolist(), np.split(order, firsts[1:]), strict=True):
+            parts.append((number, where, rows[where] - self.starts[number]))
+        return parts
+
+    def values(self, rows):
+        """int64 NumPy ``[rows]``: the entries of a column of integers at ``rows`` (the indices mapping)."""
+        import numpy as np
+
+        result = np.empty(len(rows), dtype=np.int64)
+        for number, where, local in self.locate(rows):
+            result[where] = self.chunks[number].to_numpy(zero_copy_only=False)[local]
+        return result
+
+    def lengths(self, rows):
+        """int64 NumPy ``[rows]`` list lengths (0 where null) and bool ``[rows]`` nulls, from the offsets alone."""
+        import numpy as np
         import pyarrow as pa
-        import pyarrow.compute as pc
+
+        length = np.zeros(len(rows), dtype=np.int64)
+        null = np.zeros(len(rows), dtype=bool)
+        fixed = pa.types.is_fixed_size_list(self.type)
+        for number, where, local in self.locate(rows):
+            chunk = self.chunks[number]
+            if fixed:
+                length[where] = self.type.list_size
+            else:
+                if number not in self._offsets:
+                    self._offsets[number] = chunk.offsets.to_numpy()  # a view: no copy, no token read
+                offsets = self._offsets[number]
+                length[where] = offsets[local + 1] - offsets[local]
+            if chunk.null_count:
+                if number not in self._valid:
+                    self._valid[number] = chunk.is_valid().to_numpy(zero_copy_only=False)
+                null[where] = ~self._valid[number][local]
+        length[null] = 0
+        return length, null
+
+    def take(self, rows, length) -> list[tuple[object, object, object]]:
+        """``(where, length, values)`` per chunk: the flat list values of ``rows`` it holds (an Arrow array)."""
+        import pyarrow as pa
+
+        return [
+            (where, length[where], self.chunks[number].take(pa.array(local)).flatten())
+            for number, where, local in self.locate(rows)
+        ]
+
+
+def _check_column(name: str, column_type) -> None:
+    import pyarrow as pa
+
+    if not (
+        pa.types.is_list(column_type)
+        or pa.types.is_large_list(column_type)
+        or pa.types.is_fixed_size_list(column_type)  # Sequence(..., length=N)
+    ):
+        raise TypeError(f"column {name!r} must hold lists of token ids, got {column_type}")
+    if name != "loss_mask" and not pa.types.is_integer(column_type.value_type):
+        raise TypeError(f"column {name!r} must hold integer token ids, got {column_type.value_type}")
+
+
+class ArrowTokens:
+    """The token columns of an Arrow table, read in place (NOTE [Reading an Arrow corpus in place]).
+
+    ``table`` is a ``pyarrow.Table`` with an ``input_ids`` list column (and
+    optionally ``labels``, ``loss_mask``); ``indices`` maps example ``k``
+    to table row ``indices[k]`` (HF's indices mapping), None for row ``k``.
+    """
+
+    def __init__(self, table, indices=None) -> None:
+        names = list(table.column_names)
+        if "input_ids" not in names:
+            raise ValueError(f"the dataset has no 'input_ids' column (columns: {names})")
+        self.columns = {name: _Chunks(table.column(name)) for name in TOKEN_COLUMNS if name in names}
+        self.indices = None if indices is None else _Chunks(indices)
+        self.count = table.num_rows if indices is None else len(indices)
+        self.checked = False
+
+    def rows(self, documents: list[int]):
+        """The table rows of ``documents`` (int64 NumPy)."""
+        import numpy as np
+
+        documents = np.asarray(documents, dtype=np.int64)
+        return documents if self.indices is None else self.indices.values(documents)
+
+    def read(self, documents: list[int], *, lengths_only: bool = False) -> Tokens:
+        """The examples at ``documents``: their lengths from the offsets, and unless ``lengths_only`` their tokens."""
+        import numpy as np
 
         if not documents:  # nothing to read (an empty dataset's column may even be typed null)
             nothing = torch.zeros(0, dtype=torch.int64)
             return Tokens(nothing, nothing, None if lengths_only else nothing, None)
-        table = self.arrow[documents]
-        columns = {name: table.column(name).combine_chunks() for name in table.column_names}
-        for name, column in columns.items():
-            if not (
-                pa.types.is_list(column.type)
-                or pa.types.is_large_list(column.type)
-                or pa.types.is_fixed_size_list(column.type)  # Sequence(..., length=N)
-            ):
-                raise TypeError(f"column {name!r} must hold lists of token ids, got {column.type}")
-            value_type = column.type.value_type
-            if name != "loss_mask" and not pa.types.is_integer(value_type):
-                raise TypeError(f"column {name!r} must hold integer token ids, got {value_type}")
-        ids = columns["input_ids"]
-        length = torch.from_numpy(
-            pc.list_value_length(ids).fill_null(0).to_numpy(zero_copy_only=False, writable=True)
-        ).long()
-        check_lengths(documents, length, ids.is_null().to_numpy(zero_copy_only=False, writable=True))
+        if not self.checked:
+            for name, column in self.columns.items():
+                _check_column(name, column.type)
+            self.checked = True
+        rows = self.rows(documents)
+        length, null = self.columns["input_ids"].lengths(rows)
+        check_lengths(documents, torch.from_numpy(length), torch.from_numpy(null))
+        document = torch.tensor(documents, dtype=torch.int64)
         if lengths_only:
-            return Tokens(torch.tensor(documents, dtype=torch.int64), length, None, None)
+            return Tokens(document, torch.from_numpy(length), None, None)
         for name in ("labels", "loss_mask"):
-            if name in columns:
-                counts = pc.list_value_length(columns[name]).fill_null(-1).to_numpy(zero_copy_only=False, writable=True)
-                wrong = torch.nonzero(torch.from_numpy(counts).long() != length).reshape(-1)
-                if wrong.numel():
-                    null = " (it is null: give every example one, or drop the column)" if counts[wrong[0]] < 0 else ""
+            if name in self.columns:
+                counts, missing = self.columns[name].lengths(rows)
+                wrong = np.flatnonzero((counts != length) | missing)
+                if len(wrong):
+                    null_note = " (it is null: give every example one, or drop the column)" if missing[wrong[0]] else ""
                     raise ValueError(
-                        f"example {documents[int(wrong[0])]}: {name} must have as many entries as input_ids{null}"
+                        f"example {documents[int(wrong[0])]}: {name} must have as many entries as input_ids{null_note}"
                     )
-        values = {name: column.flatten() for name, column in columns.items()}
-        for name, flat_values in values.items():
-            if flat_values.null_count:  # a bit count of the validity bitmap at most (none without nulls)
-                position = pc.index(flat_values.is_null(), True).as_py()
-                example = int(torch.searchsorted(torch.cumsum(length, 0), position, right=True))
-                raise _null_entry(documents[example], name, position - int(length[:example].sum()))
+        starts = np.cumsum(length) - length
         flat = {
-            name: torch.from_numpy(flat_values.to_numpy(zero_copy_only=False, writable=True))
-            for name, flat_values in values.items()
+            name: self._values(name, column, rows, length, starts, documents) for name, column in self.columns.items()
         }
-        for name in ("input_ids", "labels"):
-            if name in flat:
-                check_fits_int64(flat[name], f"column {name!r}", "token ids")
-        tokens = flat["input_ids"].to(torch.int64)
-        labels = flat["labels"].to(torch.int64) if "labels" in flat else None
+        tokens = flat["input_ids"]
+        labels = flat.get("labels")
         if "loss_mask" in flat:
             labels = (tokens if labels is None else labels).masked_fill(flat["loss_mask"] == 0, IGNORE_INDEX)
-        return Tokens(torch.tensor(documents, dtype=torch.int64), length, tokens, labels)
+        return Tokens(document, torch.from_numpy(length), tokens, labels)
 
-    def stream(self) -> Iterator[tuple[int, object]]:
-        """``(index, example)`` over all examples in order."""
-        if self.count is None:
-            return enumerate(self.examples)
-        return ((index, self.examples[index]) for index in range(self.count))
+    def _values(self, name: str, column: _Chunks, rows, length, starts, documents: list[int]) -> torch.Tensor:
+        """The flat values of column ``name`` at ``rows``, in their order: int64 (token ids) or as stored (a mask)."""
+        import numpy as np
+
+        parts = column.take(rows, length)
+        nulls = []  # (position among the documents, token) of each part's first null
+        for where, count, values in parts:
+            if values.null_count:
+                example, token = _first_null(values, count)
+                nulls.append((int(where[example]), token))
+        if nulls:
+            position, token = min(nulls)
+            raise _null_entry(documents[position], name, token)
+        arrays = []
+        for where, count, values in parts:
+            array = values.to_numpy(zero_copy_only=False)
+            if name != "loss_mask":
+                if array.dtype == np.uint64:
+                    check_fits_int64(torch.from_numpy(array.copy()), f"column {name!r}", "token ids")
+                array = array.astype(np.int64, copy=False)
+            arrays.append((where, count, array))
+        if len(arrays) == 1 and np.array_equal(arrays[0][0], np.arange(len(rows))):
+            array = arrays[0][2]
+            return torch.from_numpy(array if array.flags.writeable else array.copy())
+        out = np.empty(int(length.sum()), dtype=arrays[0][2].dtype)
+        for where, count, array in arrays:
+            # Each document's values go to its place in the documents' order.
+            shift = np.repeat(starts[where] - (np.cumsum(count) - count), count)
+            out[np.arange(len(array)) + shift] = array
+        return torch.from_numpy(out)
+
+
+def _first_null(values, count) -> tuple[int, int]:
+    """Which list of ``count`` lengths holds the first null of their flat ``values``, and at which of its tokens."""
+    import numpy as np
+    import pyarrow.compute as pc
+
+    position = pc.index(values.is_null(), True).as_py()
+    ends = np.cumsum(count)
+    example = int(np.searchsorted(ends, position, side="right"))
+    return example, position - int(ends[example] - count[example])
 
 
 def check_lengths(documents: list[int], length: torch.Tensor, null) -> None:

@@ -60,7 +60,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 from packfn._checks import check_int, check_positive_int, check_scalar_fits
 from packfn._ops import formats as _format_ops
 from packfn.data.batch import token_positions
-from packfn.data.examples import IGNORE_INDEX, Examples, Tokens, concatenate, decode_example
+from packfn.data.examples import IGNORE_INDEX, Examples, Tokens, concatenate
 from packfn.data.fit import Items, checked_budgets
 from packfn.data.packer import Carry, Window, batch_and_items, pack_window
 from packfn.data.stats import (
@@ -464,10 +464,11 @@ class PackedDataset(IterableDataset):
             shard = self._shard((info.id + rotation) % info.num_workers, info.num_workers)
         return _PackedIterator(self, shard, pending)
 
-    def _order(self) -> torch.Tensor:
+    def _order(self) -> torch.Tensor | range:
+        """The epoch's documents in order: a ``range`` without ``shuffle`` (nothing held per document)."""
         count = self._examples.count
         if not self.shuffle:
-            return torch.arange(count)
+            return range(count)
         generator = torch.Generator().manual_seed((self.seed * 1_000_003 + self.epoch) % (2**63))
         return torch.randperm(count, generator=generator)
 
@@ -621,7 +622,8 @@ class _Reader:
     def window(self, position: int, size: int) -> tuple[Tokens, bool]:
         """The documents of the window at ``position`` (lengths; tokens too when ``whole``), and whether it is last."""
         if self.order is not None:
-            documents = self.order[position : position + size].tolist()
+            documents = self.order[position : position + size]
+            documents = list(documents) if isinstance(documents, range) else documents.tolist()
             # As pack_stream: a window that reads fewer documents than its size is the last one.
             return self.examples.read(documents, lengths_only=not self.whole), len(documents) < size
         if self.stream is None:
@@ -633,16 +635,15 @@ class _Reader:
                     f"the state_dict does not match these examples: it resumes shard {self.shard} after "
                     f"{position} of its examples, and they hold {self.read}"
                 )
-            index, example = entry
+            index, values = entry
             if index in self.wanted:
-                self.held[index] = decode_example(example, index)
+                self.held[index] = values
             self.read += 1
         chunk = list(itertools.islice(self.stream, size))
         self.read += len(chunk)
-        decoded = [decode_example(example, index) for index, example in chunk]
         if not self.lengths_only:
-            self.held.update((index, values) for (index, _), values in zip(chunk, decoded, strict=True))
-        return concatenate([index for index, _ in chunk], decoded, True), len(chunk) < size
+            self.held.update(chunk)
+        return concatenate([index for index, _ in chunk], [values for _, values in chunk], True), len(chunk) < size
 
     def check_carried(self, carry: Carry) -> None:
         """Raise when a restored shard's carried pieces do not match these examples' documents."""
