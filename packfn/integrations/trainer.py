@@ -26,13 +26,30 @@ integers and the pieces carried between windows) back with every batch,
 so ``state_dict()`` in the main process is the state after the batches
 the Trainer consumed, not after the ones the workers prefetched. The
 :class:`PackedLoaderCallback` writes it into every ``checkpoint-N``
-(``packfn_loader_<process>.pt``, one per process: each rank has its own
-shard) and, when a run resumes at step ``N``, loads it before the first
-batch: each worker reads its current window again, packs it the same way,
-skips the batches already sent and goes on, so the documents trained on
-are exactly an uninterrupted run's, at the cost of one window per worker
+(``packfn_loader_<process>.pt``, one per process: each has its own share
+of the batches) and, when a run resumes at step ``N``, loads it before the
+first batch: each worker reads its current window again, packs it the same
+way, skips the batches already sent and goes on, so the documents trained
+on are exactly an uninterrupted run's, at the cost of one window per worker
 (the Trainer's own skip would rebuild every batch since the epoch began).
 ``ignore_data_skip=True`` is required for that reason.
+
+NOTE [Data parallel: each process reads its own batches]
+Under DDP (``torchrun``) the training loop iterates the loader that
+``get_train_dataloader`` returns as it is: accelerate prepares (shards
+across processes, or dispatches from process 0) only the loaders the
+Trainer builds itself, so the :class:`PackedLoader` yields this process's
+share of the epoch's one packing plan (``PackedDataset(..., rank=
+args.process_index, world=args.world_size)``: batch ``g`` to process
+``g % world_size``) and nothing else. Evaluation is the one place where the
+Trainer would prepare a loader over a ``PackedDataset``, and accelerate
+would dispatch an iterable dataset's items from process 0 (each process
+getting rows of process 0's batches, the other processes' never read):
+``apply_packfn_to_trainer`` replaces ``get_eval_dataloader`` too. With
+transformers' ``average_tokens_across_devices=True`` (its default) each
+process's loss is divided by the targets of every process's batches and
+DDP averages the gradients, so a step is one process's step over the
+world's batches accumulated (``tests/integrations/test_hf_ddp.py``).
 """
 
 from __future__ import annotations
@@ -218,8 +235,9 @@ class PackedLoader:
         if state["num_workers"] != self.num_workers:
             raise ValueError(
                 f"the loader state was saved with dataloader_num_workers={state['num_workers']} "
-                f"(TrainingArguments), this run has {self.num_workers}: each worker packs its own shard of the "
-                f"documents, so resume with dataloader_num_workers={state['num_workers']}"
+                f"(TrainingArguments), this run has {self.num_workers}: the state holds each worker's progress through "
+                "its own batches (a process's j-th batch is worker j % dataloader_num_workers's, the main process's "
+                f"with 0), so resume with dataloader_num_workers={state['num_workers']}"
             )
         self._start_epoch(state["epoch"])
         self.position = state["position"]
@@ -360,7 +378,14 @@ def apply_packfn_to_trainer(
 
     - The trainer's train dataloader becomes a :class:`PackedLoader` over
       ``dataset`` (default ``trainer.train_dataset``) with the
-      ``dataloader_*`` settings of ``trainer.args``;
+      ``dataloader_*`` settings of ``trainer.args``, handed to the training
+      loop as it is: under DDP each process trains on its own share of the
+      batches, which accelerate neither shards nor dispatches (NOTE [Data
+      parallel: each process reads its own batches]);
+    - an evaluation dataset (``trainer.eval_dataset``, one of a dict of
+      them, or ``evaluate``'s argument) that is a ``PackedDataset`` is read
+      the same way, one whole batch at a time with no collator, each
+      process its own share; any other goes to the trainer's own loader;
     - :class:`PackedLoaderCallback` puts the loader's state into every
       checkpoint and restores it on ``resume_from_checkpoint``: a resumed
       run trains on exactly the documents of an uninterrupted one (NOTE
@@ -404,7 +429,8 @@ def apply_packfn_to_trainer(
         TypeError: no ``PackedDataset`` to train on.
         ValueError: ``ignore_data_skip`` is False, ``auto_find_batch_size``
             is True, the dataset's ``rank`` / ``world`` are not the
-            trainer's process index and world size, or
+            trainer's process index and world size (an evaluation
+            ``PackedDataset``'s: when its loader is built), or
             ``label_smoothing_factor`` is set for a model that transformers'
             ``LabelSmoother`` does not shift labels for (a class not in
             ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``).
@@ -426,12 +452,7 @@ def apply_packfn_to_trainer(
             "set TrainingArguments(auto_find_batch_size=False): it retries with a smaller "
             "per_device_train_batch_size, which a PackedDataset (batch rows a batch) does not read"
         )
-    if (dataset.rank, dataset.world) != (args.process_index, args.world_size):
-        raise ValueError(
-            f"the dataset shards for rank {dataset.rank} of {dataset.world}, the trainer runs process "
-            f"{args.process_index} of {args.world_size}: build PackedDataset(..., rank=args.process_index, "
-            "world=args.world_size)"
-        )
+    _check_process(dataset, args, "the dataset")
     model = trainer.model
     # PEFT's forward runs the adapters and calls its base model's: packfn's forward belongs there.
     base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
@@ -451,6 +472,28 @@ def apply_packfn_to_trainer(
             multiprocessing_context=getattr(args, "dataloader_multiprocessing_context", None),
         )
 
+    get_eval_dataloader = trainer.get_eval_dataloader
+
+    def get_packed_eval_dataloader(eval_dataset: Any = None) -> Any:
+        # NOTE [Data parallel: each process reads its own batches]: accelerate would dispatch a PackedDataset's
+        # batches from process 0; each process evaluates its own share instead, one whole batch at a time.
+        name = eval_dataset if isinstance(eval_dataset, str) else None
+        chosen = trainer.eval_dataset if eval_dataset is None else eval_dataset
+        if name is not None and isinstance(trainer.eval_dataset, Mapping):
+            chosen = trainer.eval_dataset[name]
+        if not isinstance(chosen, PackedDataset):
+            return get_eval_dataloader(eval_dataset)
+        _check_process(chosen, args, "eval_dataset" if name is None else f"eval_dataset[{name!r}]")
+        return torch.utils.data.DataLoader(
+            chosen,
+            batch_size=None,
+            collate_fn=_without_stats,
+            num_workers=workers,
+            pin_memory=args.dataloader_pin_memory and args.device.type != "cpu",
+            prefetch_factor=args.dataloader_prefetch_factor if workers > 0 else None,
+            multiprocessing_context=getattr(args, "dataloader_multiprocessing_context", None) if workers > 0 else None,
+        )
+
     compute_loss, total_train_batch_size = trainer.compute_loss, trainer.get_total_train_batch_size
 
     def compute_loss_on_documents(model: Any, inputs: dict[str, Any], *rest: Any, **kwargs: Any) -> Any:
@@ -467,12 +510,30 @@ def apply_packfn_to_trainer(
         return total_train_batch_size(arguments) // arguments.train_batch_size * dataset.batch
 
     trainer.get_train_dataloader = get_train_dataloader
+    trainer.get_eval_dataloader = get_packed_eval_dataloader
     trainer.compute_loss = compute_loss_on_documents
     trainer.get_total_train_batch_size = get_total_train_batch_size
     trainer.add_callback(PackedLoaderCallback())
     if log_stats and dataset.packing_stats:
         trainer.add_callback(PackingStatsCallback(trainer))
     return trainer
+
+
+def _check_process(dataset: PackedDataset, args: Any, name: str) -> None:
+    """Refuse a dataset whose ``rank`` / ``world`` are not the trainer's process index and world size."""
+    if (dataset.rank, dataset.world) != (args.process_index, args.world_size):
+        raise ValueError(
+            f"{name} is the PackedDataset of rank {dataset.rank} of {dataset.world}, the trainer runs process "
+            f"{args.process_index} of {args.world_size}: build PackedDataset(..., rank=args.process_index, "
+            "world=args.world_size), so that each process reads its own share of the batches of the epoch's "
+            "packing plan (batch g goes to process g % world_size)"
+        )
+
+
+def _without_stats(batch: dict[str, Any]) -> dict[str, Any]:
+    """An evaluation batch without its ``packing_stats`` (no callback logs them there; the model drops them)."""
+    batch.pop("packing_stats", None)
+    return batch
 
 
 def _check_label_smoothing(model: Any) -> None:
