@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import array
+import ctypes
+import mmap
+import os
 import sys
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import NamedTuple
@@ -192,7 +195,8 @@ class Examples:
                 raise ValueError(f"the dataset has no 'input_ids' column (columns: {columns})")
             # The rows of a selected, shuffled or filtered dataset go through its indices mapping (None without one).
             indices = getattr(examples, "_indices", None)
-            self.arrow = ArrowTokens(examples.data.table, None if indices is None else indices.column(0))
+            files = [entry["filename"] for entry in getattr(examples, "cache_files", ())]  # its mapped Arrow files
+            self.arrow = ArrowTokens(examples.data.table, None if indices is None else indices.column(0), files)
             self.count = len(examples)
         elif is_hf_stream(examples):
             if getattr(examples, "_distributed", None) is not None:
@@ -263,15 +267,58 @@ class Examples:
 # NOTE [Reading an Arrow corpus in place]
 # A datasets.Dataset saved with save_to_disk (or cached by load_dataset, Parquet files included) is a table of
 # memory-mapped Arrow record batches; a list column is an offsets buffer ([rows + 1] ints) and a values buffer
-# (the tokens). The loader asks for two things, and each reads only what it needs from those buffers:
-# - the lengths of a window's documents (every process, for the plan): offsets[row + 1] - offsets[row], read
-#   from the offsets buffer through a zero-copy NumPy view, never a row or a token;
+# (the tokens). The loader asks for two things, and each reads only what it needs:
+# - the lengths of a window's documents (every process, for the plan): at the first read, every document's
+#   length comes from the offsets alone (offsets[row + 1] - offsets[row], through zero-copy NumPy views, never
+#   a row or a token), 4 bytes a document (8 with int64 offsets, or with HF's indices mapping its rows too);
 # - the tokens of the documents of its own batches: an Arrow take of those rows, chunk by chunk (a take over a
 #   chunked column may concatenate every chunk first), into one flat int64 array in the documents' order.
-# So the memory a process holds is the window's (its lengths, its own batches' tokens), whatever the corpus
-# size, and a token the process does not train on is never read. HF's indices mapping (select, shuffle,
-# filter) is one more column, read the same way. A stream (IterableDataset) has no offsets to read ahead: it
-# is read whole, in Arrow tables, by every process.
+# Pages of a file mapping stay in a process's RSS once touched, so a process that read its share of a corpus
+# through the mapping would grow to that share over an epoch. After the lengths and after each take, the
+# mappings of an HF dataset's own Arrow files (its cache_files) are given back with madvise(MADV_DONTNEED): for
+# a read-only mapping of a file that only unmaps the pages (the data stays in the file and the page cache; a
+# later read maps them again). So a process holds the lengths and its window, whatever the corpus size, and
+# reads no token of a batch it does not build. A stream (IterableDataset) has no offsets to read ahead: it is
+# read whole, in Arrow tables, by every process.
+
+
+class _MappedPages:
+    """Unmaps the read-only mappings of ``files`` in this process (Linux ``madvise(MADV_DONTNEED)``).
+
+    NOTE [Reading an Arrow corpus in place]. The mappings are found in
+    ``/proc/self/maps`` at the first call; where it or ``madvise`` is
+    missing, nothing is done.
+    """
+
+    def __init__(self, files: Iterable[str]) -> None:
+        self.files = {os.path.realpath(name) for name in files}
+        self.ranges: list[tuple[int, int]] | None = None  # [start, end) of each read-only mapping of the files
+        self.madvise = None
+
+    def _find(self) -> None:
+        self.ranges = []
+        try:
+            with open("/proc/self/maps") as maps:
+                lines = maps.read().splitlines()
+        except OSError:
+            return
+        for line in lines:
+            fields = line.split(maxsplit=5)
+            if len(fields) == 6 and "w" not in fields[1] and fields[5] in self.files:
+                start, end = (int(value, 16) for value in fields[0].split("-"))
+                self.ranges.append((start, end))
+        if self.ranges and hasattr(mmap, "MADV_DONTNEED"):
+            madvise = ctypes.CDLL(None, use_errno=True).madvise
+            madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+            self.madvise = madvise
+
+    def release(self) -> None:
+        """Unmap every page of the files' mappings (a later read maps what it touches again)."""
+        if self.ranges is None:
+            self._find()
+        if self.madvise is not None:
+            for start, end in self.ranges:
+                self.madvise(start, end - start, mmap.MADV_DONTNEED)
 
 
 class _Chunks:
@@ -279,14 +326,14 @@ class _Chunks:
 
     def __init__(self, column) -> None:
         import numpy as np
+        import pyarrow as pa
 
         self.type = column.type
+        self.fixed = column.type.list_size if pa.types.is_fixed_size_list(column.type) else None
         self.chunks = [chunk for chunk in column.chunks if len(chunk)]
         sizes = np.array([len(chunk) for chunk in self.chunks], dtype=np.int64)
         self.ends = np.cumsum(sizes)
         self.starts = self.ends - sizes
-        self._offsets: dict[int, object] = {}  # per chunk: a NumPy view of its list offsets
-        self._valid: dict[int, object] = {}  # per chunk with nulls: which rows are not null
 
     def locate(self, rows) -> list[tuple[int, object, object]]:
         """``(chunk, where, local)`` per chunk holding some of ``rows``: their positions in ``rows``, in the chunk."""
@@ -304,47 +351,78 @@ class _Chunks:
             parts.append((number, where, rows[where] - self.starts[number]))
         return parts
 
-    def values(self, rows):
-        """int64 NumPy ``[rows]``: the entries of a column of integers at ``rows`` (the indices mapping)."""
+    def integers(self):
+        """int64 NumPy ``[rows]``: every entry of a column of integers (the indices mapping)."""
         import numpy as np
 
-        result = np.empty(len(rows), dtype=np.int64)
-        for number, where, local in self.locate(rows):
-            result[where] = self.chunks[number].to_numpy(zero_copy_only=False)[local]
-        return result
+        if not self.chunks:
+            return np.zeros(0, dtype=np.int64)
+        return np.concatenate([chunk.to_numpy(zero_copy_only=False).astype(np.int64) for chunk in self.chunks])
+
+    def all_lengths(self):
+        """Every row's list length (0 where null; NumPy, the offsets' integer type) and its nulls (None: none)."""
+        import numpy as np
+
+        lengths, nulls = [], []
+        for chunk in self.chunks:
+            if self.fixed is not None:
+                length = np.full(len(chunk), self.fixed, dtype=np.int32)
+            else:
+                length = np.diff(chunk.offsets.to_numpy())  # from a view of the offsets: no row, no token
+            null = ~chunk.is_valid().to_numpy(zero_copy_only=False) if chunk.null_count else None
+            if null is not None:
+                length[null] = 0
+            lengths.append(length)
+            nulls.append(null)
+        length = np.concatenate(lengths) if lengths else np.zeros(0, dtype=np.int32)
+        if not any(null is not None for null in nulls):
+            return length, None
+        nulls = [
+            np.zeros(len(chunk), dtype=bool) if null is None else null
+            for chunk, null in zip(self.chunks, nulls, strict=True)
+        ]
+        return length, np.concatenate(nulls)
 
     def lengths(self, rows):
-        """int64 NumPy ``[rows]`` list lengths (0 where null) and bool ``[rows]`` nulls, from the offsets alone."""
+        """int64 NumPy ``[rows]`` list lengths and bool ``[rows]`` nulls of some rows (a labels or mask column)."""
         import numpy as np
-        import pyarrow as pa
 
         length = np.zeros(len(rows), dtype=np.int64)
         null = np.zeros(len(rows), dtype=bool)
-        fixed = pa.types.is_fixed_size_list(self.type)
         for number, where, local in self.locate(rows):
             chunk = self.chunks[number]
-            if fixed:
-                length[where] = self.type.list_size
+            if self.fixed is not None:
+                length[where] = self.fixed
             else:
-                if number not in self._offsets:
-                    self._offsets[number] = chunk.offsets.to_numpy()  # a view: no copy, no token read
-                offsets = self._offsets[number]
+                offsets = chunk.offsets.to_numpy()
                 length[where] = offsets[local + 1] - offsets[local]
             if chunk.null_count:
-                if number not in self._valid:
-                    self._valid[number] = chunk.is_valid().to_numpy(zero_copy_only=False)
-                null[where] = ~self._valid[number][local]
+                null[where] = ~chunk.is_valid().to_numpy(zero_copy_only=False)[local]
         length[null] = 0
         return length, null
 
     def take(self, rows, length) -> list[tuple[object, object, object]]:
-        """``(where, length, values)`` per chunk: the flat list values of ``rows`` it holds (an Arrow array)."""
+        """``(where, length, values)`` per chunk: the flat list values of ``rows`` it holds.
+
+        Integer values without nulls are gathered from a NumPy view of the
+        chunk's values (a NumPy array comes back); others (nulls, a bool
+        mask) by an Arrow take (an Arrow array).
+        """
+        import numpy as np
         import pyarrow as pa
 
-        return [
-            (where, length[where], self.chunks[number].take(pa.array(local)).flatten())
-            for number, where, local in self.locate(rows)
-        ]
+        parts = []
+        for number, where, local in self.locate(rows):
+            chunk, count = self.chunks[number], length[where]
+            values = chunk.values
+            if values.null_count or not pa.types.is_integer(values.type):
+                parts.append((where, count, chunk.take(pa.array(local)).flatten()))
+                continue
+            first = chunk.offsets.to_numpy()[local] if self.fixed is None else (chunk.offset + local) * self.fixed
+            # Each row's values in turn: first[k], first[k] + 1, ... (count[k] of them).
+            shift = np.repeat(first - (np.cumsum(count) - count), count)
+            parts.append((where, count, values.to_numpy()[np.arange(len(shift)) + shift]))
+        return parts
 
 
 def _check_column(name: str, column_type) -> None:
@@ -365,24 +443,34 @@ class ArrowTokens:
 
     ``table`` is a ``pyarrow.Table`` with an ``input_ids`` list column (and
     optionally ``labels``, ``loss_mask``); ``indices`` maps example ``k``
-    to table row ``indices[k]`` (HF's indices mapping), None for row ``k``.
+    to table row ``indices[k]`` (HF's indices mapping), None for row ``k``;
+    ``files`` are the Arrow files the table maps (an HF dataset's
+    ``cache_files``), whose pages are given back after each read.
     """
 
-    def __init__(self, table, indices=None) -> None:
+    def __init__(self, table, indices=None, files: Iterable[str] = ()) -> None:
         names = list(table.column_names)
         if "input_ids" not in names:
             raise ValueError(f"the dataset has no 'input_ids' column (columns: {names})")
         self.columns = {name: _Chunks(table.column(name)) for name in TOKEN_COLUMNS if name in names}
         self.indices = None if indices is None else _Chunks(indices)
         self.count = table.num_rows if indices is None else len(indices)
-        self.checked = False
+        files = list(files)
+        self.mapped = _MappedPages(files) if files else None
+        self.length = self.null = self.row = None  # per example, at the first read
 
-    def rows(self, documents: list[int]):
-        """The table rows of ``documents`` (int64 NumPy)."""
-        import numpy as np
-
-        documents = np.asarray(documents, dtype=np.int64)
-        return documents if self.indices is None else self.indices.values(documents)
+    def _read_lengths(self) -> None:
+        """Every example's length (and null), and its row with an indices mapping, from the offsets alone."""
+        for name, column in self.columns.items():
+            _check_column(name, column.type)
+        length, null = self.columns["input_ids"].all_lengths()
+        if self.indices is not None:
+            self.row = self.indices.integers()
+            length = length[self.row]
+            null = None if null is None else null[self.row]
+        self.length, self.null = length, null
+        if self.mapped is not None:
+            self.mapped.release()
 
     def read(self, documents: list[int], *, lengths_only: bool = False) -> Tokens:
         """The examples at ``documents``: their lengths from the offsets, and unless ``lengths_only`` their tokens."""
@@ -391,16 +479,26 @@ class ArrowTokens:
         if not documents:  # nothing to read (an empty dataset's column may even be typed null)
             nothing = torch.zeros(0, dtype=torch.int64)
             return Tokens(nothing, nothing, None if lengths_only else nothing, None)
-        if not self.checked:
-            for name, column in self.columns.items():
-                _check_column(name, column.type)
-            self.checked = True
-        rows = self.rows(documents)
-        length, null = self.columns["input_ids"].lengths(rows)
+        if self.length is None:
+            self._read_lengths()
+        positions = np.asarray(documents, dtype=np.int64)
+        length = self.length[positions].astype(np.int64)
+        null = np.zeros(len(documents), dtype=bool) if self.null is None else self.null[positions]
         check_lengths(documents, torch.from_numpy(length), torch.from_numpy(null))
         document = torch.tensor(documents, dtype=torch.int64)
         if lengths_only:
             return Tokens(document, torch.from_numpy(length), None, None)
+        rows = positions if self.row is None else self.row[positions]
+        try:
+            tokens, labels = self._tokens(documents, rows, length)
+        finally:
+            if self.mapped is not None:
+                self.mapped.release()
+        return Tokens(document, torch.from_numpy(length), tokens, labels)
+
+    def _tokens(self, documents: list[int], rows, length) -> tuple[torch.Tensor, torch.Tensor | None]:
+        import numpy as np
+
         for name in ("labels", "loss_mask"):
             if name in self.columns:
                 counts, missing = self.columns[name].lengths(rows)
@@ -418,7 +516,7 @@ class ArrowTokens:
         labels = flat.get("labels")
         if "loss_mask" in flat:
             labels = (tokens if labels is None else labels).masked_fill(flat["loss_mask"] == 0, IGNORE_INDEX)
-        return Tokens(document, torch.from_numpy(length), tokens, labels)
+        return tokens, labels
 
     def _values(self, name: str, column: _Chunks, rows, length, starts, documents: list[int]) -> torch.Tensor:
         """The flat values of column ``name`` at ``rows``, in their order: int64 (token ids) or as stored (a mask)."""
@@ -427,7 +525,7 @@ class ArrowTokens:
         parts = column.take(rows, length)
         nulls = []  # (position among the documents, token) of each part's first null
         for where, count, values in parts:
-            if values.null_count:
+            if getattr(values, "null_count", 0):
                 example, token = _first_null(values, count)
                 nulls.append((int(where[example]), token))
         if nulls:
@@ -435,7 +533,7 @@ class ArrowTokens:
             raise _null_entry(documents[position], name, token)
         arrays = []
         for where, count, values in parts:
-            array = values.to_numpy(zero_copy_only=False)
+            array = values if isinstance(values, np.ndarray) else values.to_numpy(zero_copy_only=False)
             if name != "loss_mask":
                 if array.dtype == np.uint64:
                     check_fits_int64(torch.from_numpy(array.copy()), f"column {name!r}", "token ids")
