@@ -81,6 +81,7 @@ def train(output_dir: Path, *, resume: bool = False, gradient_accumulation_steps
         output_dir=str(output_dir), use_cpu=True, report_to=[], max_steps=STEPS,
         save_steps=SAVE_STEPS, logging_steps=1, gradient_accumulation_steps=gradient_accumulation_steps,
         learning_rate=1e-2, ignore_data_skip=True, dataloader_num_workers=0, disable_tqdm=True, seed=0,
+        ddp_timeout=60,  # a process that fails leaves the other waiting in a collective this long at most
     )  # fmt: skip
     rank, world = arguments.process_index, arguments.world_size
     trainer = transformers.Trainer(

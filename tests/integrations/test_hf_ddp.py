@@ -26,17 +26,19 @@ losses, the loss over both batches, as the reference's accumulated one.
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+import transformers
 
 from packfn.integrations.hf import apply_packfn
-from packfn.integrations.trainer import LOADER_STATE_NAME
+from packfn.integrations.trainer import LOADER_STATE_NAME, apply_packfn_to_trainer
 
-from tests.integrations.hf_ddp_run import RESUME_AT, STEPS, evaluation, train
+from tests.integrations.hf_ddp_run import RESUME_AT, STEPS, dataset, evaluation, train
 from tests.integrations.packed_training import tiny_llama
 
 REPO = Path(__file__).resolve().parents[2]
@@ -49,10 +51,23 @@ def runs(tmp_path_factory) -> dict:
     output = tmp_path_factory.mktemp("ddp")
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(WORLD)]
     command += ["-m", "tests.integrations.hf_ddp_run", str(output)]
-    environment = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    # Two processes that import transformers on two shared cores, then a few steps: well under the limit.
-    done = subprocess.run(command, capture_output=True, text=True, timeout=240, cwd=REPO, env=environment)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    path = os.pathsep.join(filter(None, (str(REPO), os.environ.get("PYTHONPATH"))))
+    environment = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
+    # Its own session, so that a failure here ends torchrun and both processes together.
+    done = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, env=environment,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        # The reference trains here meanwhile. The two processes mostly import transformers (on two shared
+        # cores), then train a few steps: far under the limit.
+        reference = train(tmp_path_factory.mktemp("reference"), gradient_accumulation_steps=WORLD)
+        stdout, stderr = done.communicate(timeout=240)
+    finally:
+        if done.poll() is None:
+            os.killpg(done.pid, signal.SIGKILL)
+            done.communicate()
+    assert done.returncode == 0, stdout[-3000:] + stderr[-5000:]
 
     def load(name: str) -> list[dict]:
         return [torch.load(output / f"{name}-{rank}.pt", weights_only=False) for rank in range(WORLD)]
@@ -60,7 +75,7 @@ def runs(tmp_path_factory) -> dict:
     return {
         "uninterrupted": load("uninterrupted"),
         "resumed": load("resumed"),
-        "reference": train(tmp_path_factory.mktemp("reference"), gradient_accumulation_steps=WORLD),
+        "reference": reference,
         "output": output,
     }
 
@@ -106,7 +121,8 @@ def test_every_steps_loss_and_the_weights_equal_one_process_accumulating_the_sam
 
 def test_every_checkpoint_holds_the_loader_state_of_every_process(runs):
     folder = runs["output"] / "uninterrupted"
-    per_rank = STEPS // 2 + 1  # 3 batches an epoch on each process
+    per_rank = dataset(0, WORLD).batches_per_rank(0)
+    assert per_rank == dataset(0, WORLD).batches_per_rank(1) == 3
     for step in (2, 4, 5):
         for rank in range(WORLD):
             state = torch.load(folder / f"checkpoint-{step}" / LOADER_STATE_NAME.format(process=rank))
@@ -129,7 +145,8 @@ def test_evaluation_reads_each_process_share_of_the_packed_batches(runs):
     """accelerate would dispatch process 0's batches (rows of them) to both; each evaluates its own whole batches."""
     for rank, result in enumerate(runs["uninterrupted"]):
         evaluated = [pieces(batch) for batch in result["batches"] if not batch["training"]]
-        assert evaluated == [pieces(as_recorded(batch)) for batch in evaluation(rank, WORLD)]
+        own = [(batch["documents"].tolist(), batch["document_offsets"].tolist()) for batch in evaluation(rank, WORLD)]
+        assert evaluated == own
     # transformers divides each process's evaluation loss by the targets of every process's batch of the step
     # (and multiplies it by the world), as in training: eval_loss is the mean over the steps of the loss over
     # the step's batches of both processes, computed here with the reference's (equal) weights.
@@ -141,13 +158,29 @@ def test_evaluation_reads_each_process_share_of_the_packed_batches(runs):
         for batches in zip(*(evaluation(rank, WORLD) for rank in range(WORLD)), strict=True):
             targets = sum(int((batch["shift_labels"] != -100).sum()) for batch in batches)
             steps.append(sum(float(model(**inputs(batch), num_items_in_batch=targets).loss) for batch in batches))
+        alone = [float(model(**inputs(batch)).loss) for batch in evaluation(0, 1)]
     assert len(steps) == 2
     for result in (*runs["uninterrupted"], *runs["resumed"]):
         assert result["eval_loss"] == pytest.approx(sum(steps) / len(steps), rel=1e-6)
+    # One process: the mean of its 4 batches' losses, each batch read whole.
+    assert runs["reference"]["eval_loss"] == pytest.approx(sum(alone) / len(alone), rel=1e-6)
 
 
-def as_recorded(batch: dict) -> dict:
-    return {"documents": batch["documents"].tolist(), "offsets": batch["document_offsets"].tolist()}
+def test_an_evaluation_dataset_of_another_process_is_refused_naming_it(tmp_path):
+    arguments = transformers.TrainingArguments(
+        output_dir=str(tmp_path), use_cpu=True, report_to=[], max_steps=1, ignore_data_skip=True
+    )
+    trainer = transformers.Trainer(
+        model=apply_packfn(tiny_llama()),
+        args=arguments,
+        train_dataset=evaluation(0, 1),
+        eval_dataset={"held_out": evaluation(1, WORLD)},
+    )
+    apply_packfn_to_trainer(trainer)
+    with pytest.raises(
+        ValueError, match=r"eval_dataset\['held_out'\] is the PackedDataset of rank 1 of 2.*process 0 of 1"
+    ):
+        trainer.evaluate()
 
 
 def inputs(batch: dict) -> dict:
