@@ -384,8 +384,9 @@ def apply_packfn_to_trainer(
       parallel: each process reads its own batches]);
     - an evaluation dataset (``trainer.eval_dataset``, one of a dict of
       them, or ``evaluate``'s argument) that is a ``PackedDataset`` is read
-      the same way, one whole batch at a time with no collator, each
-      process its own share; any other goes to the trainer's own loader;
+      the same way, through a new :class:`PackedLoader` each evaluation:
+      one whole batch at a time with no collator, each process its own
+      share; any other goes to the trainer's own loader;
     - :class:`PackedLoaderCallback` puts the loader's state into every
       checkpoint and restores it on ``resume_from_checkpoint``: a resumed
       run trains on exactly the documents of an uninterrupted one (NOTE
@@ -452,7 +453,7 @@ def apply_packfn_to_trainer(
             "set TrainingArguments(auto_find_batch_size=False): it retries with a smaller "
             "per_device_train_batch_size, which a PackedDataset (batch rows a batch) does not read"
         )
-    _check_process(dataset, args, "the dataset")
+    _check_process(dataset, args, "the training dataset")
     model = trainer.model
     # PEFT's forward runs the adapters and calls its base model's: packfn's forward belongs there.
     base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
@@ -461,22 +462,25 @@ def apply_packfn_to_trainer(
         apply_packfn(patched or base, **options)
     if trainer.label_smoother is not None and trainer.compute_loss_func is None:
         _check_label_smoothing(base)
-    workers = args.dataloader_num_workers
 
-    def get_train_dataloader() -> PackedLoader:
+    def loader(packed: PackedDataset) -> PackedLoader:
         return PackedLoader(
-            dataset,
-            num_workers=workers,
+            packed,
+            num_workers=args.dataloader_num_workers,
             pin_memory=args.dataloader_pin_memory and args.device.type != "cpu",
             prefetch_factor=args.dataloader_prefetch_factor,
             multiprocessing_context=getattr(args, "dataloader_multiprocessing_context", None),
         )
 
+    def get_train_dataloader() -> PackedLoader:
+        return loader(dataset)
+
     get_eval_dataloader = trainer.get_eval_dataloader
 
     def get_packed_eval_dataloader(eval_dataset: Any = None) -> Any:
         # NOTE [Data parallel: each process reads its own batches]: accelerate would dispatch a PackedDataset's
-        # batches from process 0; each process evaluates its own share instead, one whole batch at a time.
+        # batches from process 0; each process evaluates its own share instead, one whole batch at a time (a new
+        # loader each evaluation, from the dataset's current epoch; its packing_stats are moved aside, unlogged).
         name = eval_dataset if isinstance(eval_dataset, str) else None
         chosen = trainer.eval_dataset if eval_dataset is None else eval_dataset
         if name is not None and isinstance(trainer.eval_dataset, Mapping):
@@ -484,15 +488,7 @@ def apply_packfn_to_trainer(
         if not isinstance(chosen, PackedDataset):
             return get_eval_dataloader(eval_dataset)
         _check_process(chosen, args, "eval_dataset" if name is None else f"eval_dataset[{name!r}]")
-        return torch.utils.data.DataLoader(
-            chosen,
-            batch_size=None,
-            collate_fn=_without_stats,
-            num_workers=workers,
-            pin_memory=args.dataloader_pin_memory and args.device.type != "cpu",
-            prefetch_factor=args.dataloader_prefetch_factor if workers > 0 else None,
-            multiprocessing_context=getattr(args, "dataloader_multiprocessing_context", None) if workers > 0 else None,
-        )
+        return loader(chosen)
 
     compute_loss, total_train_batch_size = trainer.compute_loss, trainer.get_total_train_batch_size
 
@@ -528,12 +524,6 @@ def _check_process(dataset: PackedDataset, args: Any, name: str) -> None:
             "world=args.world_size), so that each process reads its own share of the batches of the epoch's "
             "packing plan (batch g goes to process g % world_size)"
         )
-
-
-def _without_stats(batch: dict[str, Any]) -> dict[str, Any]:
-    """An evaluation batch without its ``packing_stats`` (no callback logs them there; the model drops them)."""
-    batch.pop("packing_stats", None)
-    return batch
 
 
 def _check_label_smoothing(model: Any) -> None:
