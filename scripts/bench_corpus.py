@@ -152,7 +152,6 @@ def run_packfn(corpus: Path, arguments: argparse.Namespace) -> dict:
 
     from packfn.data import PackedDataset
 
-    _one_thread()
     memory = Memory()
     begin = time.perf_counter()
     dataset = PackedDataset(
@@ -194,7 +193,6 @@ def run_trl(corpus: Path, arguments: argparse.Namespace) -> dict:
     from transformers import DataCollatorWithFlattening
     from trl import pack_dataset
 
-    _one_thread()
     memory = Memory()
     begin = time.perf_counter()
     packed = pack_dataset(
@@ -326,7 +324,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     arguments = parse(argv)
-    if arguments.run is not None:
+    if arguments.run is not None:  # the subprocess of one pipeline
+        _one_thread()
         print(json.dumps(RUNNERS[arguments.run](arguments.corpus, arguments)))
         return 0
     import torch

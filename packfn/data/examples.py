@@ -253,9 +253,11 @@ class Examples:
         # shards, and every worker must read all of it to pack the same plan.
         first = 0
         for table in self.hf_stream.iter(batch_size=STREAM_ROWS):
+            if not table.num_rows:
+                continue
             documents = list(range(first, first + table.num_rows))
+            tokens = ArrowTokens(table, first=first).read(documents)
             first += table.num_rows
-            tokens = ArrowTokens(table).read(documents)
             counts = tokens.length.tolist()
             pieces = tokens.tokens.split(counts)
             labels = [None] * len(counts) if tokens.labels is None else tokens.labels.split(counts)
@@ -445,10 +447,12 @@ class ArrowTokens:
     optionally ``labels``, ``loss_mask``); ``indices`` maps example ``k``
     to table row ``indices[k]`` (HF's indices mapping), None for row ``k``;
     ``files`` are the Arrow files the table maps (an HF dataset's
-    ``cache_files``), whose pages are given back after each read.
+    ``cache_files``), whose pages are given back after each read; ``first``
+    is the index of its first example (a stream's table: ``read`` takes the
+    examples' indices, and errors name them).
     """
 
-    def __init__(self, table, indices=None, files: Iterable[str] = ()) -> None:
+    def __init__(self, table, indices=None, files: Iterable[str] = (), first: int = 0) -> None:
         names = list(table.column_names)
         if "input_ids" not in names:
             raise ValueError(f"the dataset has no 'input_ids' column (columns: {names})")
@@ -458,6 +462,7 @@ class ArrowTokens:
         files = list(files)
         self.mapped = _MappedPages(files) if files else None
         self.length = self.null = self.row = None  # per example, at the first read
+        self.first = first
 
     def _read_lengths(self) -> None:
         """Every example's length (and null), and its row with an indices mapping, from the offsets alone."""
@@ -481,7 +486,7 @@ class ArrowTokens:
             return Tokens(nothing, nothing, None if lengths_only else nothing, None)
         if self.length is None:
             self._read_lengths()
-        positions = np.asarray(documents, dtype=np.int64)
+        positions = np.asarray(documents, dtype=np.int64) - self.first
         length = self.length[positions].astype(np.int64)
         null = np.zeros(len(documents), dtype=bool) if self.null is None else self.null[positions]
         check_lengths(documents, torch.from_numpy(length), torch.from_numpy(null))
