@@ -65,6 +65,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from packfn.data import PackedDataset
 from packfn.data.examples import is_hf_dataset
 from packfn.data.stats import STATS_FIELDS, PackingStats, stats_dict
+from packfn.formats import IGNORE_INDEX
 from packfn.integrations.hf import PackedForward, apply_packfn, causal_lm_labels
 
 __all__ = [
@@ -404,7 +405,14 @@ def apply_packfn_to_trainer(
       ``compute_loss_func``, TRL's label smoothing) gets
       :func:`~packfn.integrations.hf.causal_lm_labels` as ``labels`` (the
       trainer's ``compute_loss`` sees them): each document's next-token
-      targets, none across a boundary;
+      targets, none across a boundary. transformers' ``LabelSmoother``
+      shifts only for a model whose (unwrapped) class name is a causal LM's
+      (``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``): not under
+      ``torch_compile=True`` (``OptimizedModule``) nor for a class of one's
+      own. Where it will not shift (decided at each step as transformers
+      decides it) it gets those targets already aligned with the logits
+      (``causal_lm_labels(...)[:, 1:]``, ``-100`` last), so the objective
+      is the same either way. A ``compute_loss_func`` must shift them;
     - the trainer counts ``dataset.batch`` rows a batch in its samples
       (``train_samples_per_second``, ``Total train batch size``), not
       ``per_device_train_batch_size``, and its ``epoch`` is the loader's
@@ -431,10 +439,7 @@ def apply_packfn_to_trainer(
         ValueError: ``ignore_data_skip`` is False, ``auto_find_batch_size``
             is True, the dataset's ``rank`` / ``world`` are not the
             trainer's process index and world size (an evaluation
-            ``PackedDataset``'s: when its loader is built), or
-            ``label_smoothing_factor`` is set for a model that transformers'
-            ``LabelSmoother`` does not shift labels for (a class not in
-            ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``).
+            ``PackedDataset``'s: when its loader is built).
     """
     dataset = trainer.train_dataset if dataset is None else dataset
     if not isinstance(dataset, PackedDataset):
@@ -460,8 +465,6 @@ def apply_packfn_to_trainer(
     patched = next((part for part in (model, base) if isinstance(part.__dict__.get("forward"), PackedForward)), None)
     if options or patched is None:
         apply_packfn(patched or base, **options)
-    if trainer.label_smoother is not None and trainer.compute_loss_func is None:
-        _check_label_smoothing(base)
 
     def loader(packed: PackedDataset) -> PackedLoader:
         return PackedLoader(
@@ -493,12 +496,17 @@ def apply_packfn_to_trainer(
     compute_loss, total_train_batch_size = trainer.compute_loss, trainer.get_total_train_batch_size
 
     def compute_loss_on_documents(model: Any, inputs: dict[str, Any], *rest: Any, **kwargs: Any) -> Any:
-        # The LabelSmoother and compute_loss_func take the batch's labels and shift them themselves: give them
-        # labels whose shift stops at each document's end (the model, given labels, builds shift_labels itself).
+        # The LabelSmoother and compute_loss_func take the batch's labels (the model, given labels, builds
+        # shift_labels itself). One that shifts them gets labels whose shift stops at each document's end; the
+        # LabelSmoother where transformers does not shift (decided at each call, as transformers decides it) gets
+        # the targets already aligned with the logits.
         if (trainer.label_smoother is not None or trainer.compute_loss_func is not None) and all(
             isinstance(inputs.get(key), torch.Tensor) for key in ("labels", "document_ids")
         ):
-            inputs = {**inputs, "labels": causal_lm_labels(inputs["document_ids"], inputs["labels"])}
+            labels = causal_lm_labels(inputs["document_ids"], inputs["labels"])
+            if trainer.compute_loss_func is None and not _smoother_shifts(trainer, model):
+                labels = torch.cat([labels[:, 1:], labels.new_full((labels.shape[0], 1), IGNORE_INDEX)], dim=1)
+            inputs = {**inputs, "labels": labels}
         return compute_loss(model, inputs, *rest, **kwargs)
 
     def get_total_train_batch_size(arguments: Any) -> int:
@@ -526,17 +534,22 @@ def _check_process(dataset: PackedDataset, args: Any, name: str) -> None:
         )
 
 
-def _check_label_smoothing(model: Any) -> None:
-    """Refuse label smoothing where transformers' ``LabelSmoother`` would not shift the labels (not a causal LM)."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+def _smoother_shifts(trainer: Any, model: Any) -> bool:
+    """Whether the trainer's ``compute_loss`` has its ``LabelSmoother`` shift the labels for ``model`` (this call).
 
-    name = type(model).__name__
-    if name not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values():
-        raise ValueError(
-            f"label_smoothing_factor: transformers' LabelSmoother shifts the labels of the causal LMs it knows "
-            f"(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES), not of {name}, so its targets would be each token's own; "
-            "packfn's labels are a causal LM's: pass Trainer(compute_loss_func=...) that shifts them instead"
-        )
+    TRL's ``SFTTrainer`` always does. transformers' ``Trainer.compute_loss``
+    does where the class name of ``accelerator.unwrap_model(model)`` (a PEFT
+    model's base model's) is one of ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``:
+    not under ``torch_compile=True`` (the name is ``OptimizedModule``), nor
+    for a class of one's own. The same test, read from transformers' module.
+    """
+    if any(cls.__name__ == "SFTTrainer" and cls.__module__.startswith("trl.") for cls in type(trainer).__mro__):
+        return True
+    import transformers.trainer as hf_trainer
+
+    unwrapped = trainer.accelerator.unwrap_model(model)
+    name = unwrapped.base_model.model._get_name() if hf_trainer._is_peft_model(unwrapped) else unwrapped._get_name()
+    return name in hf_trainer.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()
 
 
 def loss_mask_from_trl(dataset: Any, *, completion_only_loss: bool = True) -> Any:
