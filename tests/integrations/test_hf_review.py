@@ -1,0 +1,77 @@
+"""apply_packfn_to_trainer where transformers' Trainer would silently train on something else.
+
+- label smoothing where transformers' ``LabelSmoother`` does not shift the
+  labels (``torch_compile=True``: the unwrapped model is an
+  ``OptimizedModule``; a class of one's own);
+- ``Trainer(model_init=...)``, whose model ``train()`` builds anew;
+- TRL's ``SFTTrainer`` evaluating a ``PackedDataset`` with its default
+  ``remove_unused_columns=True``;
+- ``loss_mask_from_trl`` on a missing or a fractional mask value.
+
+Each loss is held to every document run alone (random weights, learning
+rate 0, nothing downloaded).
+"""
+
+from __future__ import annotations
+
+import accelerate  # noqa: F401  (Trainer needs it)
+import pytest
+import torch
+import transformers
+
+from packfn.data import PackedDataset
+from packfn.integrations.hf import PackedForward, apply_packfn
+from packfn.integrations.trainer import apply_packfn_to_trainer
+
+from tests.integrations.packed_training import documents, per_document_loss
+
+SEQUENCE = 24
+
+
+def tiny_llama(cls: type = transformers.LlamaForCausalLM):
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=2, max_position_embeddings=64,
+    )  # fmt: skip
+    return cls(config)
+
+
+def packed(seed: int = 0) -> PackedDataset:
+    return PackedDataset(documents(seed=seed), batch=2, sequence=SEQUENCE, max_documents=6)
+
+
+def first_batches(count: int, seed: int = 0) -> list[dict[str, torch.Tensor]]:
+    batches = [batch for _, batch in zip(range(count), packed(seed), strict=False)]
+    assert len(batches) == count
+    return batches
+
+
+def arguments(output_dir, **overrides) -> transformers.TrainingArguments:
+    settings = dict(
+        output_dir=str(output_dir), use_cpu=True, report_to=[], save_strategy="no", ignore_data_skip=True,
+        disable_tqdm=True, seed=0, learning_rate=0.0, logging_steps=1,
+    )  # fmt: skip
+    return transformers.TrainingArguments(**(settings | overrides))
+
+
+def losses(trainer) -> list[float]:
+    return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+
+
+class Scorer(transformers.LlamaForCausalLM):
+    """A causal LM whose class name transformers does not know: its LabelSmoother does not shift the labels."""
+
+
+@pytest.mark.parametrize("case", ["torch_compile", "own_class"])
+def test_label_smoothing_scores_each_documents_next_tokens_where_transformers_does_not_shift(tmp_path, case):
+    model = apply_packfn(tiny_llama(Scorer if case == "own_class" else transformers.LlamaForCausalLM))
+    expected = [float(per_document_loss(model, batch, label_smoothing=0.1)) for batch in first_batches(2)]
+    compiled = dict(torch_compile=True, torch_compile_backend="aot_eager") if case == "torch_compile" else {}
+    trainer = transformers.Trainer(
+        model=model, args=arguments(tmp_path, max_steps=2, label_smoothing_factor=0.1, **compiled),
+        train_dataset=packed(),
+    )  # fmt: skip
+    apply_packfn_to_trainer(trainer)
+    trainer.train()
+    assert losses(trainer) == pytest.approx(expected, rel=1e-4)
