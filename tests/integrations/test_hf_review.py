@@ -20,7 +20,7 @@ import torch
 import transformers
 
 from packfn.data import PackedDataset
-from packfn.integrations.hf import PackedForward, apply_packfn
+from packfn.integrations.hf import apply_packfn
 from packfn.integrations.trainer import apply_packfn_to_trainer
 
 from tests.integrations.packed_training import documents, per_document_loss
