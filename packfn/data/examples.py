@@ -166,6 +166,20 @@ def _arrow_table(value: object):
     return value if isinstance(value, pa.Table) else None
 
 
+def _arrow_tokens(examples: object) -> ArrowTokens:
+    """The :class:`ArrowTokens` of a ``pyarrow.Table`` (or RecordBatch) or an HF ``datasets.Dataset``."""
+    table = _arrow_table(examples)
+    if table is not None:
+        return ArrowTokens(table)
+    columns = list(examples.column_names)
+    if "input_ids" not in columns:
+        raise ValueError(f"the dataset has no 'input_ids' column (columns: {columns})")
+    # The rows of a selected, shuffled or filtered dataset go through its indices mapping (None without one).
+    indices = getattr(examples, "_indices", None)
+    files = [entry["filename"] for entry in getattr(examples, "cache_files", ())]  # its memory-mapped Arrow files
+    return ArrowTokens(examples.data.table, None if indices is None else indices.column(0), files)
+
+
 STREAM_ROWS = 1000
 """Rows an HF ``IterableDataset`` is read in at a time (one Arrow table each)."""
 
@@ -185,19 +199,9 @@ class Examples:
         self.examples = examples
         self.arrow: ArrowTokens | None = None
         self.hf_stream = None
-        table = _arrow_table(examples)
-        if table is not None:
-            self.arrow = ArrowTokens(table)
+        if _arrow_table(examples) is not None or is_hf_dataset(examples):
+            self.arrow = _arrow_tokens(examples)
             self.count: int | None = self.arrow.count
-        elif is_hf_dataset(examples):
-            columns = list(examples.column_names)
-            if "input_ids" not in columns:
-                raise ValueError(f"the dataset has no 'input_ids' column (columns: {columns})")
-            # The rows of a selected, shuffled or filtered dataset go through its indices mapping (None without one).
-            indices = getattr(examples, "_indices", None)
-            files = [entry["filename"] for entry in getattr(examples, "cache_files", ())]  # its mapped Arrow files
-            self.arrow = ArrowTokens(examples.data.table, None if indices is None else indices.column(0), files)
-            self.count = len(examples)
         elif is_hf_stream(examples):
             if getattr(examples, "_distributed", None) is not None:
                 # Ranks that read other documents pack other plans and would count other numbers of batches.
@@ -231,6 +235,16 @@ class Examples:
                 "examples must be a datasets.Dataset or IterableDataset, a pyarrow.Table, a sequence or a "
                 f"re-iterable of examples, got {type(examples).__name__}{hint}"
             )
+
+    def __getstate__(self) -> dict:
+        # Pickled (a DataLoader worker started by spawn or forkserver), an HF dataset names its memory-mapped
+        # files, while its Arrow columns would be copied whole: the worker reads them again from the examples.
+        return {**self.__dict__, "arrow": None}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        if self.count is not None and (_arrow_table(self.examples) is not None or is_hf_dataset(self.examples)):
+            self.arrow = _arrow_tokens(self.examples)
 
     def read(self, documents: list[int], *, lengths_only: bool = False) -> Tokens:
         """The examples at ``documents`` (indexable examples only)."""

@@ -10,6 +10,7 @@ every process (DataLoader workers included), and one split by node raises.
 from __future__ import annotations
 
 import contextlib
+import pickle
 from pathlib import Path
 from unittest import mock
 
@@ -193,6 +194,17 @@ def test_the_pages_of_the_mapped_files_are_given_back_after_each_read(corpus):
     with mock.patch.object(examples_module._MappedPages, "release", lambda self: None):
         assert len(list(PackedDataset(on_disk, **LOADER, shuffle=True))) > 0
         assert mapped_kib() > file_kib // 2
+
+
+def test_a_pickled_loader_names_the_files_instead_of_copying_the_corpus(corpus):
+    """What a DataLoader worker started by spawn or forkserver receives: the files by name, not their tokens."""
+    _, path = corpus
+    dataset = PackedDataset(datasets.load_from_disk(str(path)), **LOADER, shuffle=True)
+    assert dataset.batches_per_rank() > 0  # the lengths were read: they are not pickled either
+    blob = pickle.dumps(dataset)
+    corpus_bytes = sum(file.stat().st_size for file in path.glob("*.arrow"))
+    assert len(blob) < corpus_bytes // 50
+    assert_same_batches(list(pickle.loads(blob)), list(dataset))
 
 
 def test_a_shuffled_selection_and_columns_of_labels_and_a_mask_read_through_the_indices_mapping(tmp_path):
