@@ -1,4 +1,4 @@
-"""Reading tokenized examples: an HF ``datasets.Dataset``, dicts, token lists or tensors, as flat int64 tokens."""
+"""Reading tokenized examples: HF datasets, Arrow tables, dicts, token lists or tensors, as flat int64 tokens."""
 
 from __future__ import annotations
 
@@ -287,8 +287,9 @@ class Examples:
 # - the lengths of a window's documents (every process, for the plan): at the first read, every document's
 #   length comes from the offsets alone (offsets[row + 1] - offsets[row], through zero-copy NumPy views, never
 #   a row or a token), 4 bytes a document (8 with int64 offsets, or with HF's indices mapping its rows too);
-# - the tokens of the documents of its own batches: an Arrow take of those rows, chunk by chunk (a take over a
-#   chunked column may concatenate every chunk first), into one flat int64 array in the documents' order.
+# - the tokens of the documents of its own batches: gathered chunk by chunk (record batch by record batch) from
+#   zero-copy NumPy views of the values (an Arrow take where the values hold nulls or bits), into one flat int64
+#   array in the documents' order; a take over the whole chunked column could concatenate every chunk first.
 # Pages of a file mapping stay in a process's RSS once touched, so a process that read its share of a corpus
 # through the mapping would grow to that share over an epoch. After the lengths and after each take, the
 # mappings of an HF dataset's own Arrow files (its cache_files) are given back with madvise(MADV_DONTNEED): for

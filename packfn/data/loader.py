@@ -9,8 +9,11 @@ every batch passes ``varlen_metadata(document_ids, max_documents=...)`` and
 itself) or torchdata's ``StatefulDataLoader``.
 
 Examples are an HF ``datasets.Dataset`` with an ``input_ids`` column (and
-optionally ``labels`` and ``loss_mask``), a list of such dicts, a list of
-token lists (or 1-D integer tensors), or any re-iterable of those.
+optionally ``labels`` and ``loss_mask``) or a ``pyarrow.Table`` of them,
+read in place (a memory-mapped corpus: NOTE [Reading an Arrow corpus in
+place] in :mod:`packfn.data.examples`), a list of such dicts, a list of
+token lists (or 1-D integer tensors), or any re-iterable of those (an HF
+``IterableDataset`` included, read whole by every process).
 
 NOTE [How the loader shards and resumes]
 One packing plan covers the epoch: the epoch's documents (the examples in
@@ -215,9 +218,11 @@ class PackedDataset(IterableDataset):
       back. Not there with ``packing_stats=False``.
 
     Args:
-        examples: An HF ``datasets.Dataset`` with an ``input_ids`` column
-            (and optional ``labels``, ``loss_mask``), a sequence of such
-            mappings or of token-id sequences, or a re-iterable of them.
+        examples: An HF ``datasets.Dataset`` (or a ``pyarrow.Table``) with
+            an ``input_ids`` column (and optional ``labels``,
+            ``loss_mask``), a sequence of such mappings or of token-id
+            sequences, or a re-iterable of them (an HF ``IterableDataset``
+            not split by node).
         batch: Rows per batch.
         sequence: Tokens per row.
         max_documents: Document cap per row (``D``).
