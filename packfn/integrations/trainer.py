@@ -54,6 +54,7 @@ world's batches accumulated (``tests/integrations/test_hf_ddp.py``).
 
 from __future__ import annotations
 
+import inspect
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -400,7 +401,11 @@ def apply_packfn_to_trainer(
       ``SFTTrainer`` puts its fused LM head there; packfn's goes on top, so
       the head's backbone call gets the document masks). A PEFT model
       (``get_peft_model(apply_packfn(model))``) keeps packfn's forward on
-      its base model, under the adapters;
+      its base model, under the adapters. With ``Trainer(model_init=...)``
+      (which ``train()`` calls again for a new model) the trainer's
+      ``model_init`` is wrapped so that the models it returns get packfn's
+      forward with the same ``options`` (called with or without ``trial``
+      as the one given);
     - a loss that shifts the labels itself (``label_smoothing_factor``,
       ``compute_loss_func``, TRL's label smoothing) gets
       :func:`~packfn.integrations.hf.causal_lm_labels` as ``labels`` (the
@@ -459,12 +464,9 @@ def apply_packfn_to_trainer(
             "per_device_train_batch_size, which a PackedDataset (batch rows a batch) does not read"
         )
     _check_process(dataset, args, "the training dataset")
-    model = trainer.model
-    # PEFT's forward runs the adapters and calls its base model's: packfn's forward belongs there.
-    base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
-    patched = next((part for part in (model, base) if isinstance(part.__dict__.get("forward"), PackedForward)), None)
-    if options or patched is None:
-        apply_packfn(patched or base, **options)
+    _patch_model(trainer.model, options)
+    if trainer.model_init is not None:
+        trainer.model_init = _packed_model_init(trainer.model_init, options)
 
     def loader(packed: PackedDataset) -> PackedLoader:
         return PackedLoader(
@@ -521,6 +523,46 @@ def apply_packfn_to_trainer(
     if log_stats and dataset.packing_stats:
         trainer.add_callback(PackingStatsCallback(trainer))
     return trainer
+
+
+def _patch_model(model: Any, options: dict[str, Any]) -> Any:
+    """Give ``model`` packfn's forward (``options``) unless it is already the outermost one and no option is given."""
+    # PEFT's forward runs the adapters and calls its base model's: packfn's forward belongs there.
+    base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
+    patched = next((part for part in (model, base) if isinstance(part.__dict__.get("forward"), PackedForward)), None)
+    if options or patched is None:
+        apply_packfn(patched or base, **options)
+    return model
+
+
+def _packed_model_init(model_init: Any, options: dict[str, Any]) -> Any:
+    """``Trainer(model_init=...)`` whose models get packfn's forward: ``train()`` builds its model again with it.
+
+    transformers calls ``model_init()`` or ``model_init(trial)`` by its
+    number of arguments; the wrapper takes as many.
+    """
+    import transformers.trainer as hf_trainer
+
+    if isinstance(model_init, _PackedModelInit):
+        model_init = model_init.inner
+    return _PackedModelInit(model_init, options, hf_trainer.number_of_arguments(model_init))
+
+
+class _PackedModelInit:
+    """A ``model_init`` whose model :func:`_patch_model` patches (as many arguments as the one it wraps)."""
+
+    def __init__(self, inner: Any, options: dict[str, Any], arguments: int) -> None:
+        self.inner, self.options, self.arguments = inner, options, arguments
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        # transformers counts these to call model_init() or model_init(trial) (a 2-argument one it refuses itself).
+        parameter = inspect.Parameter.POSITIONAL_OR_KEYWORD
+        return inspect.Signature([inspect.Parameter(f"arg{i}", parameter) for i in range(self.arguments)])
+
+    def __call__(self, *args: Any) -> Any:
+        model = self.inner(*args)
+        return model if model is None else _patch_model(model, self.options)
 
 
 def _check_process(dataset: PackedDataset, args: Any, name: str) -> None:
