@@ -75,3 +75,20 @@ def test_label_smoothing_scores_each_documents_next_tokens_where_transformers_do
     apply_packfn_to_trainer(trainer)
     trainer.train()
     assert losses(trainer) == pytest.approx(expected, rel=1e-4)
+
+
+@pytest.mark.parametrize("takes_trial", [False, True])
+def test_a_model_init_models_get_packfns_forward_when_train_builds_them_again(tmp_path, takes_trial):
+    expected = [float(per_document_loss(tiny_llama(), batch)) for batch in first_batches(2)]
+    calls = []
+
+    def build(*trial):
+        calls.append(trial)
+        return tiny_llama()  # not patched: train() builds it after apply_packfn_to_trainer
+
+    model_init = (lambda trial: build(trial)) if takes_trial else (lambda: build())
+    trainer = transformers.Trainer(model_init=model_init, args=arguments(tmp_path, max_steps=2), train_dataset=packed())
+    apply_packfn_to_trainer(trainer)
+    trainer.train()
+    assert calls == ([(None,)] * 2 if takes_trial else [()] * 2)  # Trainer.__init__'s call, then train()'s
+    assert losses(trainer) == pytest.approx(expected, rel=1e-5)
