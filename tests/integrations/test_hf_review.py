@@ -92,3 +92,36 @@ def test_a_model_init_models_get_packfns_forward_when_train_builds_them_again(tm
     trainer.train()
     assert calls == ([(None,)] * 2 if takes_trial else [()] * 2)  # Trainer.__init__'s call, then train()'s
     assert losses(trainer) == pytest.approx(expected, rel=1e-5)
+
+
+def word_tokenizer() -> transformers.PreTrainedTokenizerFast:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"<pad>": 0, "</s>": 1} | {f"w{i}": i for i in range(2, 64)}
+    inner = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    inner.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=inner, pad_token="<pad>", eos_token="</s>", unk_token="<pad>"
+    )
+
+
+def test_sft_trainer_evaluates_a_packed_dataset_per_document_with_remove_unused_columns(tmp_path):
+    """TRL's column filter (remove_unused_columns=True, its default) would drop document_ids from the batches."""
+    import datasets
+    import trl
+
+    model = tiny_llama()
+    evaluation = packed(seed=5)
+    expected = [float(per_document_loss(model, batch)) for batch in evaluation]
+    examples = datasets.Dataset.from_list([{"input_ids": tokens} for tokens in documents()])
+    arguments = trl.SFTConfig(
+        str(tmp_path), max_steps=1, ignore_data_skip=True, dataset_kwargs={"skip_prepare_dataset": True}, bf16=False,
+        use_cpu=True, report_to=[], per_device_eval_batch_size=1, disable_tqdm=True,
+    )  # fmt: skip
+    assert arguments.remove_unused_columns
+    trainer = trl.SFTTrainer(
+        model=model, args=arguments, train_dataset=examples, eval_dataset=evaluation,
+        processing_class=word_tokenizer(), data_collator=lambda features: features[0],
+    )  # fmt: skip
+    apply_packfn_to_trainer(trainer, packed())
+    assert trainer.evaluate()["eval_loss"] == pytest.approx(sum(expected) / len(expected), rel=1e-5)
