@@ -604,7 +604,7 @@ def loss_mask_from_trl(dataset: Any, *, completion_only_loss: bool = True) -> An
     ``assistant_only_loss=True``). :class:`packfn.data.PackedDataset`
     reads one ``loss_mask`` column (labels ``-100`` where it is 0): this
     is their product (and an existing ``loss_mask``'s), int8 per token.
-    The masks hold integers or booleans (0 / False: no loss). TRL's
+    The masks hold 0 / 1 or booleans (0 / False: no loss). TRL's
     columns are always dropped, ``completion_mask`` with
     ``completion_only_loss=False`` too (it is then left out of the
     product). A dataset with none of them is returned as is.
@@ -621,7 +621,9 @@ def loss_mask_from_trl(dataset: Any, *, completion_only_loss: bool = True) -> An
         TypeError: ``dataset`` is neither a ``datasets.Dataset`` nor a
             ``datasets.DatasetDict`` of them (a streaming ``IterableDataset``
             included).
-        ValueError: a mask whose length is not its example's ``input_ids``'.
+        ValueError: a mask whose length is not its example's ``input_ids``',
+            a mask that is None (the column and the example are named), or
+            a mask value that is not 0 or 1 (a fraction included).
     """
     import pyarrow as pa
     import pyarrow.compute as pc
@@ -647,14 +649,24 @@ def loss_mask_from_trl(dataset: Any, *, completion_only_loss: bool = True) -> An
     if not masks:
         return dataset.remove_columns(trl)
 
-    def combine(table: pa.Table) -> pa.Table:
+    def combine(table: pa.Table, indices: list[int]) -> pa.Table:
         length = pc.list_value_length(table.column("input_ids")).combine_chunks()
         keep = None
         for name in masks:
             column = table.column(name).combine_chunks()
-            if not pc.all(pc.equal(pc.list_value_length(column), length)).as_py():
+            lengths = pc.list_value_length(column)
+            if column.null_count or pc.any(pc.is_null(lengths)).as_py():
+                row = indices[pc.index(pc.is_null(lengths), True).as_py()]
+                raise ValueError(f"{name} is None in example {row}: every example needs a mask as long as input_ids")
+            if not pc.all(pc.equal(lengths, length)).as_py():
                 raise ValueError(f"{name} must have as many entries as input_ids in every example")
             flat = pc.list_flatten(column)
+            if flat.null_count:
+                raise ValueError(f"{name} holds None entries: its values must be 0 or 1 (or booleans)")
+            binary = pa.types.is_boolean(flat.type) or pc.is_in(flat, pa.array([0, 1], flat.type))
+            if binary is not True and not pc.all(binary).as_py():
+                wrong = pc.filter(flat, pc.invert(binary))[0].as_py()
+                raise ValueError(f"{name} holds {wrong!r}: its values must be 0 or 1 (or booleans)")
             values = flat if pa.types.is_boolean(flat.type) else pc.not_equal(flat, 0)
             keep = values if keep is None else pc.and_(keep, values)
         offsets = pa.concat_arrays([pa.array([0], pa.int64()), pc.cumulative_sum(pc.cast(length, pa.int64()))])
@@ -662,5 +674,6 @@ def loss_mask_from_trl(dataset: Any, *, completion_only_loss: bool = True) -> An
         kept = table.drop_columns([name for name in (*trl, "loss_mask") if name in table.column_names])
         return kept.append_column("loss_mask", loss_mask)
 
-    mapped = dataset.with_format("arrow").map(combine, batched=True)  # an Arrow batch's result is the whole batch
+    # An Arrow batch's result is the whole batch; the indices name an example whose mask is None.
+    mapped = dataset.with_format("arrow").map(combine, batched=True, with_indices=True)
     return mapped.with_format(dataset.format["type"])
