@@ -125,3 +125,20 @@ def test_sft_trainer_evaluates_a_packed_dataset_per_document_with_remove_unused_
     )  # fmt: skip
     apply_packfn_to_trainer(trainer, packed())
     assert trainer.evaluate()["eval_loss"] == pytest.approx(sum(expected) / len(expected), rel=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("mask", "message"),
+    [
+        ([[0, 1, 1], None], r"completion_mask is None in example 1"),
+        ([[0.0, 0.5, 1.0], [0.0, 1.0]], r"completion_mask holds 0.5: its values must be 0 or 1"),
+    ],
+)
+def test_loss_mask_from_trl_refuses_a_missing_or_fractional_mask_naming_it(mask, message):
+    import datasets
+
+    from packfn.integrations.trainer import loss_mask_from_trl
+
+    examples = datasets.Dataset.from_dict({"input_ids": [[1, 2, 3], [4, 5]], "completion_mask": mask})
+    with pytest.raises(ValueError, match=message):
+        loss_mask_from_trl(examples)
