@@ -385,7 +385,7 @@ def apply_packfn_to_trainer(
       batches, which accelerate neither shards nor dispatches (NOTE [Data
       parallel: each process reads its own batches]);
     - an evaluation dataset (``trainer.eval_dataset``, one of a dict of
-      them, or ``evaluate``'s argument) that is a ``PackedDataset`` is read
+      them, or ``evaluate``'s argument; ``predict``'s) that is a ``PackedDataset`` is read
       the same way, through a new :class:`PackedLoader` each evaluation:
       one whole batch at a time with no collator, each process its own
       share; any other goes to the trainer's own loader;
@@ -495,6 +495,15 @@ def apply_packfn_to_trainer(
         _check_process(chosen, args, "eval_dataset" if name is None else f"eval_dataset[{name!r}]")
         return loader(chosen)
 
+    get_test_dataloader = trainer.get_test_dataloader
+
+    def get_packed_test_dataloader(test_dataset: Any) -> Any:
+        # predict(): the same as an evaluation dataset.
+        if not isinstance(test_dataset, PackedDataset):
+            return get_test_dataloader(test_dataset)
+        _check_process(test_dataset, args, "test_dataset")
+        return loader(test_dataset)
+
     compute_loss, total_train_batch_size = trainer.compute_loss, trainer.get_total_train_batch_size
 
     def compute_loss_on_documents(model: Any, inputs: dict[str, Any], *rest: Any, **kwargs: Any) -> Any:
@@ -517,6 +526,7 @@ def apply_packfn_to_trainer(
 
     trainer.get_train_dataloader = get_train_dataloader
     trainer.get_eval_dataloader = get_packed_eval_dataloader
+    trainer.get_test_dataloader = get_packed_test_dataloader
     trainer.compute_loss = compute_loss_on_documents
     trainer.get_total_train_batch_size = get_total_train_batch_size
     trainer.add_callback(PackedLoaderCallback())
