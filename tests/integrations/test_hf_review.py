@@ -142,3 +142,17 @@ def test_loss_mask_from_trl_refuses_a_missing_or_fractional_mask_naming_it(mask,
     examples = datasets.Dataset.from_dict({"input_ids": [[1, 2, 3], [4, 5]], "completion_mask": mask})
     with pytest.raises(ValueError, match=message):
         loss_mask_from_trl(examples)
+
+
+def test_predict_reads_a_packed_dataset_and_label_names_shift_labels_gives_the_targets(tmp_path):
+    model = apply_packfn(tiny_llama())
+    evaluation = packed(seed=5)
+    batches = list(evaluation)
+    expected = [float(per_document_loss(model, batch)) for batch in batches]
+    trainer = transformers.Trainer(
+        model=model, args=arguments(tmp_path, max_steps=1, label_names=["shift_labels"]), train_dataset=packed()
+    )
+    apply_packfn_to_trainer(trainer)
+    output = trainer.predict(evaluation)
+    assert output.metrics["test_loss"] == pytest.approx(sum(expected) / len(expected), rel=1e-5)
+    assert torch.equal(torch.as_tensor(output.label_ids), torch.cat([batch["shift_labels"] for batch in batches]))
