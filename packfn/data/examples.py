@@ -7,6 +7,7 @@ import ctypes
 import mmap
 import os
 import sys
+import weakref
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import NamedTuple
 
@@ -284,36 +285,41 @@ class Examples:
 # A datasets.Dataset saved with save_to_disk (or cached by load_dataset, Parquet files included) is a table of
 # memory-mapped Arrow record batches; a list column is an offsets buffer ([rows + 1] ints) and a values buffer
 # (the tokens). The loader asks for two things, and each reads only what it needs:
-# - the lengths of a window's documents (every process, for the plan): at the first read, every document's
-#   length comes from the offsets alone (offsets[row + 1] - offsets[row], through zero-copy NumPy views, never
-#   a row or a token), 4 bytes a document (8 with int64 offsets, or with HF's indices mapping its rows too);
-# - the tokens of the documents of its own batches: gathered chunk by chunk (record batch by record batch) from
-#   zero-copy NumPy views of the values (an Arrow take where the values hold nulls or bits), into one flat int64
-#   array in the documents' order; a take over the whole chunked column could concatenate every chunk first.
-# Pages of a file mapping stay in a process's RSS once touched, so a process that read its share of a corpus
-# through the mapping would grow to that share over an epoch. After the lengths and after each take, the
-# mappings of an HF dataset's own Arrow files (its cache_files) are given back with madvise(MADV_DONTNEED): for
-# a read-only mapping of a file that only unmaps the pages (the data stays in the file and the page cache; a
-# later read maps them again). So a process holds the lengths and its window, whatever the corpus size, and
-# reads no token of a batch it does not build. A stream (IterableDataset) has no offsets to read ahead: it is
-# read whole, in Arrow tables, by every process.
+# - the lengths of a window's documents (every process, for the plan): at the first read, each record batch's
+#   offsets are copied once (4 bytes a document, 8 with large_list offsets; with HF's indices mapping, from
+#   select, shuffle or filter, its rows too, 8 bytes a document); a length is offsets[row + 1] - offsets[row].
+#   No row and no token is read for it.
+# - the tokens of the documents of its own batches: from offsets[row] to offsets[row + 1] in the values of the
+#   row's record batch, gathered record batch by record batch into one flat int64 array in the documents' order.
+# Memory. Pages of a file mapping that a process touches count in its RSS, and a kernel that maps whole large
+# folios on a fault maps hundreds of KiB around every document read at random: reading a window through the
+# mapping would add hundreds of MiB, and reading an epoch through it the whole share. So where a buffer lies in
+# a read-only mapping of the dataset's own Arrow files (its cache_files, found in /proc/self/maps), its bytes
+# are read from the file with pread instead (the page cache serves them, nothing is mapped); elsewhere (a table
+# in memory, another system) through the buffer itself. What does go through the mapping (the file headers
+# that load_from_disk reads, the Arrow take kept for values with nulls or bits) is unmapped after each read with
+# madvise(MADV_DONTNEED), which for a read-only file mapping drops pages from the process only. A process then
+# holds the offsets and its window, whatever the corpus size, and reads no token of a batch it does not build.
+# A stream (IterableDataset) has no offsets to read ahead: it is read whole, in Arrow tables, by every process.
 
 
-class _MappedPages:
-    """Unmaps the read-only mappings of ``files`` in this process (Linux ``madvise(MADV_DONTNEED)``).
+class _MappedFiles:
+    """The read-only mappings of some files in this process (Linux): their bytes by ``pread``, their pages unmapped.
 
-    NOTE [Reading an Arrow corpus in place]. The mappings are found in
-    ``/proc/self/maps`` at the first call; where it or ``madvise`` is
-    missing, nothing is done.
+    NOTE [Reading an Arrow corpus in place]. The mappings are read from
+    ``/proc/self/maps`` at the first call; where it is missing, no buffer
+    lies in them (they are read through the buffers) and nothing is unmapped.
     """
 
     def __init__(self, files: Iterable[str]) -> None:
         self.files = {os.path.realpath(name) for name in files}
-        self.ranges: list[tuple[int, int]] | None = None  # [start, end) of each read-only mapping of the files
-        self.madvise = None
+        self.maps: list[tuple[int, int, int, str]] | None = None  # start, end, file offset, path
+        self.descriptors: dict[str, int] = {}
+        self.touched = True  # pages may be mapped (load_from_disk read the files' headers through the mapping)
+        weakref.finalize(self, _close_all, self.descriptors)
 
     def _find(self) -> None:
-        self.ranges = []
+        self.maps = []
         try:
             with open("/proc/self/maps") as maps:
                 lines = maps.read().splitlines()
@@ -323,34 +329,172 @@ class _MappedPages:
             fields = line.split(maxsplit=5)
             if len(fields) == 6 and "w" not in fields[1] and fields[5] in self.files:
                 start, end = (int(value, 16) for value in fields[0].split("-"))
-                self.ranges.append((start, end))
-        if self.ranges and hasattr(mmap, "MADV_DONTNEED"):
-            madvise = ctypes.CDLL(None, use_errno=True).madvise
-            madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-            self.madvise = madvise
+                self.maps.append((start, end, int(fields[2], 16), fields[5]))
+        self.maps.sort()
+
+    def where(self, address: int, size: int) -> tuple[int, int] | None:
+        """``(descriptor, position)`` in the file of bytes ``[address, address + size)``, if one mapping holds them."""
+        if self.maps is None:
+            self._find()
+        for start, end, offset, path in self.maps:
+            if start <= address and address + size <= end:
+                if path not in self.descriptors:
+                    self.descriptors[path] = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+                return self.descriptors[path], address - start + offset
+        return None
+
+    @staticmethod
+    def pread(descriptors, out, positions, sizes) -> None:
+        """Read ``sizes[k]`` bytes at ``positions[k]`` of file ``descriptors[k]``, for each ``k`` in turn, into ``out``.
+
+        Ranges that continue one another in the same file are read at once.
+        """
+        import numpy as np
+
+        view = memoryview(out).cast("B")
+        ends = positions + sizes
+        breaks = np.flatnonzero((positions[1:] != ends[:-1]) | (descriptors[1:] != descriptors[:-1])) + 1
+        cursor = 0
+        for first, last in zip([0, *breaks.tolist()], [*breaks.tolist(), len(positions)], strict=True):
+            descriptor = int(descriptors[first])
+            position, size = int(positions[first]), int(ends[last - 1] - positions[first])
+            while size:
+                done = os.preadv(descriptor, [view[cursor : cursor + size]], position)
+                if done <= 0:
+                    raise OSError(f"the dataset's file ended {size} bytes early at byte {position}")
+                cursor, position, size = cursor + done, position + done, size - done
 
     def release(self) -> None:
-        """Unmap every page of the files' mappings (a later read maps what it touches again)."""
-        if self.ranges is None:
+        """Unmap the pages of the files' mappings, if a read went through them (a later read maps them again)."""
+        if not self.touched:
+            return
+        self.touched = False
+        if self.maps is None:
             self._find()
-        if self.madvise is not None:
-            for start, end in self.ranges:
-                self.madvise(start, end - start, mmap.MADV_DONTNEED)
+        if self.maps and hasattr(mmap, "MADV_DONTNEED"):
+            madvise = ctypes.CDLL(None, use_errno=True).madvise
+            madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+            for start, end, _, _ in self.maps:
+                madvise(start, end - start, mmap.MADV_DONTNEED)
+
+
+def _close_all(descriptors: dict[str, int]) -> None:
+    for descriptor in descriptors.values():
+        os.close(descriptor)
+    descriptors.clear()
+
+
+def _buffer_bytes(array, index: int, width: int, first: int, count: int) -> tuple[int, int]:
+    """``(address, size)`` of elements ``first, ..., first + count - 1`` of buffer ``index`` of an Arrow array."""
+    return array.buffers()[index].address + (array.offset + first) * width, count * width
 
 
 class _Chunks:
-    """A ``pyarrow.ChunkedArray`` addressed by row: which chunk holds each row, and where in it."""
+    """A list ``pyarrow.ChunkedArray`` (or one of integers) addressed by row: each row's chunk and values."""
 
-    def __init__(self, column) -> None:
+    def __init__(self, column, files: _MappedFiles | None = None) -> None:
         import numpy as np
         import pyarrow as pa
 
-        self.type = column.type
+        self.type, self.files = column.type, files
         self.fixed = column.type.list_size if pa.types.is_fixed_size_list(column.type) else None
         self.chunks = [chunk for chunk in column.chunks if len(chunk)]
         sizes = np.array([len(chunk) for chunk in self.chunks], dtype=np.int64)
         self.ends = np.cumsum(sizes)
         self.starts = self.ends - sizes
+        self.offsets = None  # every chunk's offsets one after another (rows + 1 each), copied at the first read
+        self.null = None  # whether each row is null, where any is
+        self.in_files = None  # each chunk's values in the files (descriptors, bytes of value 0), at the first read
+
+    def _read(self, chunk, index: int, width: int, first: int, count: int, dtype):
+        """Elements ``first ... first + count - 1`` of buffer ``index`` of ``chunk``, from the file where it can."""
+        import numpy as np
+
+        address, size = _buffer_bytes(chunk, index, width, first, count)
+        located = None if self.files is None else self.files.where(address, size)
+        if located is None:
+            return None
+        out = np.empty(count, dtype=dtype)
+        _MappedFiles.pread(np.array([located[0]]), out, np.array([located[1]]), np.array([size]))
+        return out
+
+    def prepare(self) -> None:
+        """Copy the offsets and the nulls (the first read of lengths)."""
+        import numpy as np
+        import pyarrow as pa
+
+        if self.in_files is not None:  # done
+            return
+        if self.fixed is None:
+            dtype = np.int64 if pa.types.is_large_list(self.type) else np.int32
+            width = np.dtype(dtype).itemsize
+            offsets = np.empty(int(self.ends[-1]) + len(self.chunks) if self.chunks else 0, dtype=dtype)
+            for number, chunk in enumerate(self.chunks):
+                place = int(self.starts[number]) + number
+                copied = self._read(chunk, 1, width, 0, len(chunk) + 1, dtype)
+                offsets[place : place + len(chunk) + 1] = chunk.offsets.to_numpy() if copied is None else copied
+            self.offsets = offsets
+        if any(chunk.null_count for chunk in self.chunks):
+            if self.files is not None:
+                self.files.touched = True
+            self.null = np.concatenate([~chunk.is_valid().to_numpy(zero_copy_only=False) for chunk in self.chunks])
+        self.in_files = self._values_in_files()
+
+    def _values_in_files(self):
+        """Each chunk's file descriptor and the file byte of its value 0 (int64 NumPy ``[chunks]`` each).
+
+        Only when the values of every chunk are integers without nulls lying
+        in a mapping of the files; else ``(None, None)``.
+        """
+        import numpy as np
+        import pyarrow as pa
+
+        if self.files is None or not self.chunks or not pa.types.is_integer(self.type.value_type):
+            return None, None
+        descriptors, positions = [], []
+        width = self.type.value_type.bit_width // 8
+        for chunk in self.chunks:
+            values = chunk.values
+            located = None if values.null_count else self.files.where(*_buffer_bytes(values, 1, width, 0, len(values)))
+            if located is None:
+                return None, None
+            descriptors.append(located[0])
+            positions.append(located[1])
+        return np.array(descriptors, dtype=np.int64), np.array(positions, dtype=np.int64)
+
+    def integers(self):
+        """int64 NumPy ``[rows]``: every entry of a column of integers (the indices mapping)."""
+        import numpy as np
+
+        if self.files is not None:
+            self.files.touched = True
+        if not self.chunks:
+            return np.zeros(0, dtype=np.int64)
+        return np.concatenate([chunk.to_numpy(zero_copy_only=False).astype(np.int64) for chunk in self.chunks])
+
+    def bounds(self, rows):
+        """int64 NumPy ``[rows]`` each: where each row's values start and end among its chunk's values."""
+        import numpy as np
+
+        self.prepare()
+        number = np.searchsorted(self.ends, rows, side="right")
+        local = rows - self.starts[number]
+        if self.fixed is not None:
+            shift = np.array([chunk.offset for chunk in self.chunks], dtype=np.int64)[number]
+            begin = (shift + local) * self.fixed
+            return begin, begin + self.fixed
+        place = rows + number  # chunk k's offsets start at row starts[k] + k of the copy
+        return self.offsets[place].astype(np.int64), self.offsets[place + 1].astype(np.int64)
+
+    def lengths(self, rows):
+        """int64 NumPy ``[rows]`` list lengths (0 where null) and bool ``[rows]`` nulls, from the offsets alone."""
+        import numpy as np
+
+        begin, end = self.bounds(rows)
+        length = end - begin
+        null = np.zeros(len(rows), dtype=bool) if self.null is None else self.null[rows]
+        length[null] = 0
+        return length, null
 
     def locate(self, rows) -> list[tuple[int, object, object]]:
         """``(chunk, where, local)`` per chunk holding some of ``rows``: their positions in ``rows``, in the chunk."""
@@ -368,76 +512,36 @@ class _Chunks:
             parts.append((number, where, rows[where] - self.starts[number]))
         return parts
 
-    def integers(self):
-        """int64 NumPy ``[rows]``: every entry of a column of integers (the indices mapping)."""
-        import numpy as np
-
-        if not self.chunks:
-            return np.zeros(0, dtype=np.int64)
-        return np.concatenate([chunk.to_numpy(zero_copy_only=False).astype(np.int64) for chunk in self.chunks])
-
-    def all_lengths(self):
-        """Every row's list length (0 where null; NumPy, the offsets' integer type) and its nulls (None: none)."""
-        import numpy as np
-
-        lengths, nulls = [], []
-        for chunk in self.chunks:
-            if self.fixed is not None:
-                length = np.full(len(chunk), self.fixed, dtype=np.int32)
-            else:
-                length = np.diff(chunk.offsets.to_numpy())  # from a view of the offsets: no row, no token
-            null = ~chunk.is_valid().to_numpy(zero_copy_only=False) if chunk.null_count else None
-            if null is not None:
-                length[null] = 0
-            lengths.append(length)
-            nulls.append(null)
-        length = np.concatenate(lengths) if lengths else np.zeros(0, dtype=np.int32)
-        if not any(null is not None for null in nulls):
-            return length, None
-        nulls = [
-            np.zeros(len(chunk), dtype=bool) if null is None else null
-            for chunk, null in zip(self.chunks, nulls, strict=True)
-        ]
-        return length, np.concatenate(nulls)
-
-    def lengths(self, rows):
-        """int64 NumPy ``[rows]`` list lengths and bool ``[rows]`` nulls of some rows (a labels or mask column)."""
-        import numpy as np
-
-        length = np.zeros(len(rows), dtype=np.int64)
-        null = np.zeros(len(rows), dtype=bool)
-        for number, where, local in self.locate(rows):
-            chunk = self.chunks[number]
-            if self.fixed is not None:
-                length[where] = self.fixed
-            else:
-                offsets = chunk.offsets.to_numpy()
-                length[where] = offsets[local + 1] - offsets[local]
-            if chunk.null_count:
-                null[where] = ~chunk.is_valid().to_numpy(zero_copy_only=False)[local]
-        length[null] = 0
-        return length, null
-
     def take(self, rows, length) -> list[tuple[object, object, object]]:
         """``(where, length, values)`` per chunk: the flat list values of ``rows`` it holds.
 
-        Integer values without nulls are gathered from a NumPy view of the
-        chunk's values (a NumPy array comes back); others (nulls, a bool
-        mask) by an Arrow take (an Arrow array).
+        Integer values without nulls come back as NumPy: read from the files
+        for all rows at once (where every chunk's values lie in a mapping of
+        the files), else gathered from a view of each chunk's values; others
+        (nulls, a bool mask) as Arrow, by an Arrow take.
         """
         import numpy as np
         import pyarrow as pa
 
+        begin, _ = self.bounds(rows)
+        descriptors, positions = self.in_files
+        if descriptors is not None:  # every row at once, in their order, from the files
+            number = np.searchsorted(self.ends, rows, side="right")
+            width = self.type.value_type.bit_width // 8
+            out = np.empty(int(length.sum()), dtype=self.type.value_type.to_pandas_dtype())
+            _MappedFiles.pread(descriptors[number], out, positions[number] + begin * width, length * width)
+            return [(np.arange(len(rows)), length, out)]
         parts = []
         for number, where, local in self.locate(rows):
             chunk, count = self.chunks[number], length[where]
             values = chunk.values
             if values.null_count or not pa.types.is_integer(values.type):
+                if self.files is not None:
+                    self.files.touched = True
                 parts.append((where, count, chunk.take(pa.array(local)).flatten()))
                 continue
-            first = chunk.offsets.to_numpy()[local] if self.fixed is None else (chunk.offset + local) * self.fixed
-            # Each row's values in turn: first[k], first[k] + 1, ... (count[k] of them).
-            shift = np.repeat(first - (np.cumsum(count) - count), count)
+            # Each row's values in turn: begin[k], begin[k] + 1, ... (count[k] of them).
+            shift = np.repeat(begin[where] - (np.cumsum(count) - count), count)
             parts.append((where, count, values.to_numpy()[np.arange(len(shift)) + shift]))
         return parts
 
@@ -462,35 +566,33 @@ class ArrowTokens:
     optionally ``labels``, ``loss_mask``); ``indices`` maps example ``k``
     to table row ``indices[k]`` (HF's indices mapping), None for row ``k``;
     ``files`` are the Arrow files the table maps (an HF dataset's
-    ``cache_files``), whose pages are given back after each read; ``first``
-    is the index of its first example (a stream's table: ``read`` takes the
-    examples' indices, and errors name them).
+    ``cache_files``), read with ``pread``; ``first`` is the index of its
+    first example (a stream's table: ``read`` takes the examples' indices,
+    and errors name them).
     """
 
     def __init__(self, table, indices=None, files: Iterable[str] = (), first: int = 0) -> None:
         names = list(table.column_names)
         if "input_ids" not in names:
             raise ValueError(f"the dataset has no 'input_ids' column (columns: {names})")
-        self.columns = {name: _Chunks(table.column(name)) for name in TOKEN_COLUMNS if name in names}
-        self.indices = None if indices is None else _Chunks(indices)
-        self.count = table.num_rows if indices is None else len(indices)
         files = list(files)
-        self.mapped = _MappedPages(files) if files else None
-        self.length = self.null = self.row = None  # per example, at the first read
+        self.files = _MappedFiles(files) if files else None
+        self.columns = {name: _Chunks(table.column(name), self.files) for name in TOKEN_COLUMNS if name in names}
+        self.indices = None if indices is None else _Chunks(indices, self.files)
+        self.count = table.num_rows if indices is None else len(indices)
+        self.row = None  # with an indices mapping: each example's row, at the first read
+        self.prepared = False
         self.first = first
 
-    def _read_lengths(self) -> None:
-        """Every example's length (and null), and its row with an indices mapping, from the offsets alone."""
+    def _prepare(self) -> None:
+        """Check the columns' types; copy the offsets, and the rows of an indices mapping (the first read)."""
         for name, column in self.columns.items():
             _check_column(name, column.type)
-        length, null = self.columns["input_ids"].all_lengths()
+        for column in self.columns.values():
+            column.prepare()
         if self.indices is not None:
             self.row = self.indices.integers()
-            length = length[self.row]
-            null = None if null is None else null[self.row]
-        self.length, self.null = length, null
-        if self.mapped is not None:
-            self.mapped.release()
+        self.prepared = True
 
     def read(self, documents: list[int], *, lengths_only: bool = False) -> Tokens:
         """The examples at ``documents``: their lengths from the offsets, and unless ``lengths_only`` their tokens."""
@@ -499,22 +601,20 @@ class ArrowTokens:
         if not documents:  # nothing to read (an empty dataset's column may even be typed null)
             nothing = torch.zeros(0, dtype=torch.int64)
             return Tokens(nothing, nothing, None if lengths_only else nothing, None)
-        if self.length is None:
-            self._read_lengths()
-        positions = np.asarray(documents, dtype=np.int64) - self.first
-        length = self.length[positions].astype(np.int64)
-        null = np.zeros(len(documents), dtype=bool) if self.null is None else self.null[positions]
-        check_lengths(documents, torch.from_numpy(length), torch.from_numpy(null))
-        document = torch.tensor(documents, dtype=torch.int64)
-        if lengths_only:
-            return Tokens(document, torch.from_numpy(length), None, None)
-        rows = positions if self.row is None else self.row[positions]
         try:
-            tokens, labels = self._tokens(documents, rows, length)
+            if not self.prepared:
+                self._prepare()
+            positions = np.asarray(documents, dtype=np.int64) - self.first
+            rows = positions if self.row is None else self.row[positions]
+            length, null = self.columns["input_ids"].lengths(rows)
+            check_lengths(documents, torch.from_numpy(length), torch.from_numpy(null))
+            tokens = labels = None
+            if not lengths_only:
+                tokens, labels = self._tokens(documents, rows, length)
         finally:
-            if self.mapped is not None:
-                self.mapped.release()
-        return Tokens(document, torch.from_numpy(length), tokens, labels)
+            if self.files is not None:
+                self.files.release()
+        return Tokens(torch.tensor(documents, dtype=torch.int64), torch.from_numpy(length), tokens, labels)
 
     def _tokens(self, documents: list[int], rows, length) -> tuple[torch.Tensor, torch.Tensor | None]:
         import numpy as np

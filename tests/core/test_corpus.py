@@ -1,10 +1,11 @@
 """Corpora larger than memory: on-disk Arrow (save_to_disk, Parquet through datasets), pyarrow tables, streams.
 
 NOTE [Reading an Arrow corpus in place] (packfn/data/examples.py): the
-lengths come from the list offsets, never a row or a token; a rank reads the
-tokens of its own batches only; the pages of the dataset's file mappings
-are given back after each read; an HF ``IterableDataset`` is read whole by
-every process (DataLoader workers included), and one split by node raises.
+lengths come from the list offsets, never a row or a token (the bytes read
+from the files are the offsets'); a rank reads the tokens of its own
+batches only, from the files, and no page of the corpus stays mapped; an HF
+``IterableDataset`` is read whole by every process (DataLoader workers
+included), and one split by node raises.
 """
 
 from __future__ import annotations
@@ -108,6 +109,23 @@ def row_accessors_refused():
     return stack
 
 
+def preads():
+    """The bytes each ``pread`` of the dataset's files reads, and the patch that records them."""
+    read: list[int] = []
+    pread = examples_module._MappedFiles.pread
+
+    def spy(descriptor, out, positions, sizes):
+        read.append(int(sizes.sum()))
+        return pread(descriptor, out, positions, sizes)
+
+    return read, mock.patch.object(examples_module._MappedFiles, "pread", staticmethod(spy))
+
+
+def offsets_bytes(dataset) -> int:
+    """The bytes of the int32 offsets of a saved dataset's ``input_ids``: one more than its rows per record batch."""
+    return 4 * (len(dataset) + dataset.data.table.column("input_ids").num_chunks)
+
+
 def tokens_refused():
     """Patch the only reader of token values to fail: what runs under it reads lengths alone."""
 
@@ -136,9 +154,11 @@ def test_lengths_come_from_the_offsets_without_reading_a_row_or_a_token(corpus):
     on_disk = datasets.load_from_disk(str(path))
     kwargs = {**LOADER, "shuffle": True, "world": 3}
     dataset = PackedDataset(on_disk, **kwargs)
-    with row_accessors_refused(), tokens_refused():
+    read, spy = preads()
+    with row_accessors_refused(), tokens_refused(), spy:
         per_rank = dataset.batches_per_rank()
         state = dataset.state_after(5, num_workers=2)
+        assert sum(read) == offsets_bytes(on_disk)  # the bytes read from the files: the offsets, once
         sample = examples_module.Examples(on_disk).read([19_999, 0, 7], lengths_only=True)
     assert per_rank == PackedDataset(documents, **kwargs).batches_per_rank()
     assert_same_state(state, PackedDataset(documents, **kwargs).state_after(5, num_workers=2))
@@ -167,8 +187,8 @@ def test_a_rank_reads_the_tokens_of_its_own_batches_only(corpus):
         assert len(own) < 0.4 * DOCUMENTS  # about a third of the corpus
 
 
-def test_the_pages_of_the_mapped_files_are_given_back_after_each_read(corpus):
-    _, path = corpus
+def test_tokens_come_from_the_files_and_no_page_of_the_corpus_stays_mapped(corpus):
+    documents, path = corpus
     on_disk = datasets.load_from_disk(str(path))
     files = {str(Path(entry["filename"]).resolve()) for entry in on_disk.cache_files}
 
@@ -183,15 +203,28 @@ def test_the_pages_of_the_mapped_files_are_given_back_after_each_read(corpus):
                 total += int(fields[1])
         return total
 
+    read, spy = preads()
+    take, taken = examples_module._Chunks.take, []
+
+    def counted(self, rows, length):
+        taken.extend(rows.tolist())
+        return take(self, rows, length)
+
+    with spy, mock.patch.object(examples_module._Chunks, "take", counted):
+        iterator = iter(PackedDataset(on_disk, **LOADER, shuffle=True))
+        assert next(iterator)["input_ids"].shape == (LOADER["batch"], LOADER["sequence"])
+        assert mapped_kib() == 0  # the header pages load_from_disk read were unmapped; the rest was read by pread
+        assert sum(1 for _ in iterator) > 0
+        assert mapped_kib() == 0
+    # Every byte read: the offsets once, then the tokens of each document each time it is taken.
+    assert sum(read) == offsets_bytes(on_disk) + 4 * sum(len(documents[row]) for row in taken)
+    assert set(taken) == set(range(DOCUMENTS))
+    # The same reads through the mapping, its pages not given back, stay mapped: the check above sees them.
     file_kib = sum(Path(name).stat().st_size for name in files) // 1024
-    iterator = iter(PackedDataset(on_disk, **LOADER, shuffle=True))
-    first = next(iterator)
-    assert first["input_ids"].shape == (LOADER["batch"], LOADER["sequence"])
-    assert mapped_kib() == 0  # the lengths and the first window's tokens were read, and their pages unmapped
-    assert sum(1 for _ in iterator) > 0
-    assert mapped_kib() == 0
-    # The same reads without giving the pages back keep them mapped: the check above sees the mapping.
-    with mock.patch.object(examples_module._MappedPages, "release", lambda self: None):
+    with (
+        mock.patch.object(examples_module._MappedFiles, "where", lambda self, address, size: None),
+        mock.patch.object(examples_module._MappedFiles, "release", lambda self: None),
+    ):
         assert len(list(PackedDataset(on_disk, **LOADER, shuffle=True))) > 0
         assert mapped_kib() > file_kib // 2
 
