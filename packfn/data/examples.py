@@ -339,7 +339,10 @@ class _MappedFiles:
         for start, end, offset, path in self.maps:
             if start <= address and address + size <= end:
                 if path not in self.descriptors:
-                    self.descriptors[path] = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+                    try:
+                        self.descriptors[path] = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+                    except OSError:  # gone since it was mapped: read through the mapping
+                        return None
                 return self.descriptors[path], address - start + offset
         return None
 
