@@ -614,7 +614,7 @@ def loss_mask_from_trl(dataset: Any, *, completion_only_loss: bool = True) -> An
     ``assistant_only_loss=True``). :class:`packfn.data.PackedDataset`
     reads one ``loss_mask`` column (labels ``-100`` where it is 0): this
     is their product (and an existing ``loss_mask``'s), int8 per token.
-    The masks hold 0 / 1 or booleans (0 / False: no loss). TRL's
+    The masks hold integers (nonzero: a loss), booleans, or floats 0 / 1 (0 / False: no loss). TRL's
     columns are always dropped, ``completion_mask`` with
     ``completion_only_loss=False`` too (it is then left out of the
     product). A dataset with none of them is returned as is.
@@ -633,7 +633,7 @@ def loss_mask_from_trl(dataset: Any, *, completion_only_loss: bool = True) -> An
             included).
         ValueError: a mask whose length is not its example's ``input_ids``',
             a mask that is None (the column and the example are named), or
-            a mask value that is not 0 or 1 (a fraction included).
+            a float mask value that is not 0 or 1 (0.5: the column is named).
     """
     import pyarrow as pa
     import pyarrow.compute as pc
@@ -673,10 +673,12 @@ def loss_mask_from_trl(dataset: Any, *, completion_only_loss: bool = True) -> An
             flat = pc.list_flatten(column)
             if flat.null_count:
                 raise ValueError(f"{name} holds None entries: its values must be 0 or 1 (or booleans)")
-            binary = pa.types.is_boolean(flat.type) or pc.is_in(flat, pa.array([0, 1], flat.type))
-            if binary is not True and not pc.all(binary).as_py():
-                wrong = pc.filter(flat, pc.invert(binary))[0].as_py()
-                raise ValueError(f"{name} holds {wrong!r}: its values must be 0 or 1 (or booleans)")
+            # Integers: nonzero takes a loss (as documented); a float mask must hold 0 or 1 (0.5 is no answer).
+            if pa.types.is_floating(flat.type):
+                binary = pc.is_in(flat, pa.array([0, 1], flat.type))
+                if not pc.all(binary).as_py():
+                    wrong = pc.filter(flat, pc.invert(binary))[0].as_py()
+                    raise ValueError(f"{name} holds {wrong!r}: a float mask's values must be 0 or 1")
             values = flat if pa.types.is_boolean(flat.type) else pc.not_equal(flat, 0)
             keep = values if keep is None else pc.and_(keep, values)
         offsets = pa.concat_arrays([pa.array([0], pa.int64()), pc.cumulative_sum(pc.cast(length, pa.int64()))])
