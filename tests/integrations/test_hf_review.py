@@ -131,7 +131,7 @@ def test_sft_trainer_evaluates_a_packed_dataset_per_document_with_remove_unused_
     ("mask", "message"),
     [
         ([[0, 1, 1], None], r"completion_mask is None in example 1"),
-        ([[0.0, 0.5, 1.0], [0.0, 1.0]], r"completion_mask holds 0.5: its values must be 0 or 1"),
+        ([[0.0, 0.5, 1.0], [0.0, 1.0]], r"completion_mask holds 0.5: a float mask's values must be 0 or 1"),
     ],
 )
 def test_loss_mask_from_trl_refuses_a_missing_or_fractional_mask_naming_it(mask, message):
