@@ -11,7 +11,7 @@ import torch
 
 from packfn import pack_documents, suggest_budgets
 from packfn.__main__ import main
-from packfn.data.report import budget_report, read_lengths, report_lines
+from packfn.data.report import budget_report, plot_format, plot_report, read_lengths, report_lines
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 LENGTHS = [
@@ -275,6 +275,30 @@ def test_plot_a_suffix_matplotlib_cannot_write_is_a_usage_error_before_any_work(
     code, out, err = run(["budgets", str(missing), "--sequence", "64", "--plot", str(target)], capsys)
     assert code == 2 and f"--plot {target}: matplotlib cannot write .txt files: name a file ending in" in err, err
     assert ".png" in err and ".pdf" in err
+    assert not out and not target.exists()
+
+
+def test_plot_reads_the_suffix_in_any_case(tmp_path):
+    pytest.importorskip("matplotlib")
+    assert plot_format("figure.PDF") == "pdf" and plot_format("figure.Svg") == "svg"
+    assert plot_format(tmp_path / "budgets") == "png"
+    target = tmp_path / "budgets.PDF"
+    assert plot_report(budget_report(LENGTHS, sequence=64), target) == target
+    assert target.read_bytes().startswith(b"%PDF")
+
+
+def test_plot_a_format_matplotlib_lists_but_cannot_write_here_is_refused_before_any_work(tmp_path, capsys, monkeypatch):
+    """The format is tried on an empty figure: a writer that fails here (a Pillow without the encoder) is refused."""
+    pytest.importorskip("matplotlib")
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    def no_encoder(*args, **kwargs):
+        raise OSError("no WebP encoder")
+
+    monkeypatch.setattr(FigureCanvasAgg, "print_webp", no_encoder)
+    target, missing = tmp_path / "out.webp", tmp_path / "missing.jsonl"
+    code, out, err = run(["budgets", str(missing), "--sequence", "64", "--plot", str(target)], capsys)
+    assert code == 2 and f"--plot {target}: matplotlib cannot write .webp files here: no WebP encoder" in err, err
     assert not out and not target.exists()
 
 

@@ -12,7 +12,18 @@ from torch.utils.data import DataLoader
 
 from packfn import pack_documents, pack_stream
 from packfn.data import BATCH_KEYS, CLOSED_BY, PackedDataset
-from packfn.data.stats import STATS_FIELDS, PackingStats, packing_stats, stats_dict, stats_tensors
+from packfn.data.batch import CLOSED_BUDGET, CLOSED_DOCUMENTS, CLOSED_END, CLOSED_TOKENS
+from packfn.data.fit import Budgets, Plan
+from packfn.data.stats import (
+    STATS_FIELDS,
+    PackingStats,
+    ThrownFill,
+    fill_warning,
+    packing_stats,
+    stats_dict,
+    stats_tensors,
+    thrown_fill,
+)
 
 from tests.strategies_packer import packing_inputs
 
@@ -252,3 +263,76 @@ def test_stats_tensors_give_each_batch_its_own_entries():
     assert torch.equal(first, stats[0].tensor()) and torch.equal(second, stats[1].tensor())
     first.zero_()  # no batch sees another's entries
     assert torch.equal(second, stats[1].tensor())
+
+
+# ------------------------------------------------------------------ the fill a cap or a budget throws away
+
+
+def hand_plan(rows: list[list[int]], closed: list[int], multiple: int) -> Plan:
+    """A window's plan built by hand: each row's piece lengths, what closed it; spans rounded up to ``multiple``."""
+    length = torch.tensor([value for pieces in rows for value in pieces])
+    row = torch.tensor([index for index, pieces in enumerate(rows) for _ in pieces])
+    span = (length + multiple - 1) // multiple * multiple
+    count = torch.tensor([len(pieces) for pieces in rows])
+    first = torch.cumsum(count, 0) - count
+    slot = torch.arange(length.shape[0]) - first.index_select(0, row)
+    before = torch.cumsum(span, 0) - span
+    column = before - before.index_select(0, first).index_select(0, row)
+    zeros = torch.zeros_like(length)
+    fullness = torch.zeros(len(rows))
+    return Plan(len(rows), row, slot, torch.arange(length.shape[0]), zeros, length, span, column, count, first,
+                torch.tensor(closed), fullness)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("budgets", "rows", "closed", "sent", "expected"),
+    [
+        # A budget wider than the row: [3, 2, 1] spans 6 and takes 12 aligned columns, so 32 - 12 = 20 are left;
+        # [9, 9, 9] takes 36 aligned columns, more than the row's 32, and leaves none (not -4). The last row is
+        # not sent.
+        (
+            Budgets(32, 4, 3, 40, 1, False, "best_fit"),
+            [[3, 2, 1], [9, 9, 9], [32], [5]],
+            [CLOSED_DOCUMENTS, CLOSED_DOCUMENTS, CLOSED_TOKENS, CLOSED_END],
+            [1, 0, 2],
+            ThrownFill(rows=3, real_tokens=65, cap_rows=2, cap_columns=20, budget_rows=0, budget_columns=0),
+        ),
+        # A budget narrower than the row, spans in multiples of 2: [5, 5] spans 12 and fills the 16 aligned
+        # columns of the budget, [3, 9] spans 14 and fills them too: 32 - 16 = 16 left in each.
+        (
+            Budgets(32, 4, 8, 16, 2, False, "best_fit"),
+            [[5, 5], [3, 9], [1]],
+            [CLOSED_BUDGET, CLOSED_BUDGET, CLOSED_END],
+            [0, 1, 2],
+            ThrownFill(rows=3, real_tokens=23, cap_rows=0, cap_columns=0, budget_rows=2, budget_columns=32),
+        ),
+    ],
+)
+def test_thrown_fill_counts_the_columns_beyond_the_spans_and_aligned_widths_of_the_rows_sent(
+    budgets, rows, closed, sent, expected
+):
+    plan = hand_plan(rows, closed, budgets.multiple)
+    assert thrown_fill(plan, torch.tensor(sent), budgets) == expected
+
+
+def test_thrown_fill_adds_up_field_by_field():
+    total = ThrownFill(1, 2, 3, 4, 5, 6).plus(ThrownFill(10, 20, 30, 40, 50, 60))
+    assert total == ThrownFill(11, 22, 33, 44, 55, 66)
+    assert ThrownFill().plus(total) == total
+
+
+def test_fill_warning_names_each_limit_whose_rows_leave_more_than_a_tenth_of_the_columns_empty():
+    """docs/packer.md: more than 10% of the sent rows' input columns; 10 rows of 100 columns here."""
+    budgets = Budgets(100, 1, 4, 100, 1, False, "best_fit")
+    at_the_share = ThrownFill(rows=10, real_tokens=500, cap_rows=3, cap_columns=100, budget_rows=2, budget_columns=100)
+    assert fill_warning(at_the_share, budgets) is None
+    assert fill_warning(ThrownFill(), budgets) is None  # no row sent
+    cap = fill_warning(at_the_share._replace(cap_columns=101), budgets)
+    assert cap.startswith("of the 10 rows packed (fill 0.500 of rows x sequence=100), max_documents=4 closed 3 of "
+                          "them, leaving 10.1% of their input columns empty"), cap  # fmt: skip
+    assert "budget=100" not in cap and "A larger max_documents fills them" in cap
+    budget = fill_warning(at_the_share._replace(budget_columns=101), budgets)
+    assert "budget=100 closed 2 of them, leaving 10.1%" in budget and "max_documents=4" not in budget
+    both = fill_warning(at_the_share._replace(cap_columns=400, budget_columns=300), budgets)
+    assert "max_documents=4 closed 3 of them, leaving 40.0% and budget=100 closed 2 of them, leaving 30.0%" in both
+    assert "A larger max_documents or a wider budget fills them" in both

@@ -235,6 +235,23 @@ def test_the_loader_keeps_one_combined_stats_row_however_long_nothing_takes_them
     assert packing_logs(stats, batches=batches) == pytest.approx(packing_logs(torch.stack(each)))
 
 
+def test_the_loaders_epoch_progress_counts_each_epochs_own_batches():
+    """Under a window of 4 the shuffled orders pack the epochs into different numbers of batches."""
+    loader = PackedLoader(
+        PackedDataset(documents(), batch=BATCH, sequence=SEQUENCE, max_documents=6, shuffle=True, seed=1, window=4)
+    )
+    counts = []
+    for epoch in range(3):
+        seen = 0
+        for _ in loader:
+            seen += 1
+            assert loader.epoch == epoch
+            assert loader.epoch_progress() == pytest.approx(epoch + seen / loader.epoch_batches())
+        assert loader.epoch_batches() == seen and loader.epoch_progress() == epoch + 1
+        counts.append(seen)
+    assert len(set(counts)) > 1, counts  # an epoch's count is not the last one's
+
+
 def test_packing_logs_average_the_counts_and_combine_the_ratios():
     """Two batches' stats (built by hand): ratios over the summed columns, counts per batch, the largest max."""
     one = PackingStats(0.5, 0.5, 2.0, 3, 1, 1, 0, 1, 0, 64, 4, 2, 128, 128)

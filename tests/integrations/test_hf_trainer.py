@@ -190,6 +190,16 @@ def test_patched_forward_takes_input_ids_positionally_and_names_any_other_positi
         model(tokens, input_ids=tokens, document_ids=ids)
 
 
+def test_positionals_past_the_forwards_parameters_are_named_by_their_place():
+    """LlamaForCausalLM.forward has 8 positional parameters: a 9th is named by its place, not an IndexError."""
+    model = apply_packfn(tiny_llama(layers=1)).eval()
+    batch = loader_batches(1)[0]
+    tokens, ids = batch["input_ids"], batch["document_ids"]
+    keywords = "attention_mask, position_ids, past_key_values, inputs_embeds, labels, use_cache, logits_to_keep"
+    with pytest.raises(TypeError, match=f"got 9: pass {keywords}, positional argument 9 by keyword"):
+        model(tokens, *[None] * 8, document_ids=ids)
+
+
 def test_a_none_for_an_input_the_ids_build_is_not_a_clash():
     """PEFT's forward passes attention_mask=None (and others) on to the model: None is no input given."""
     model = apply_packfn(tiny_llama()).eval()
@@ -212,6 +222,13 @@ def test_causal_lm_labels_shift_into_each_documents_targets():
         causal_lm_labels(ids, None)
     with pytest.raises(ValueError, match=r"labels must have the shape of document_ids \(2, 6\), got \(2, 5\)"):
         causal_lm_labels(ids, labels[:, :5])
+
+
+def test_causal_lm_labels_refuse_labels_that_are_not_integers():
+    """Float labels would come back truncated to int64 targets: they are refused as hf_model_inputs refuses them."""
+    ids = torch.tensor([[1, 1, 2, 2]])
+    with pytest.raises(TypeError, match=r"labels must be an int32 or int64 tensor .*, got torch\.float32"):
+        causal_lm_labels(ids, torch.tensor([[1.0, 2.0, 3.0, 4.0]]))
 
 
 def test_patched_model_compiles_to_one_graph_across_batches_of_new_contents():
