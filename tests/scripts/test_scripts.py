@@ -153,6 +153,7 @@ def test_every_entry_script_starts_with_the_one_bootstrap():
     """Each entry script puts the repository root on sys.path with the same lines, before any project import."""
     assert set(ENTRY_SCRIPTS) == {
         "bench",
+        "bench_corpus",
         "bench_cp",
         "bench_packer",
         "export",
