@@ -24,8 +24,9 @@ aten for them past 8192 columns instead.
 ``tests/core/test_fakes.py`` holds every ``cumsum`` in the ops'
 decompositions to a 1-D input, and ``tests/core/test_triton_codegen.py``
 writes every public function's Triton code for an H200, on the CPU, at
-the lengths where Inductor changes path (8192, 8193, 32768, 131072),
-so a 2-D long scan fails in CI on torch 2.11 before it reaches a GPU.
+8193 columns (one past where Inductor splits), so a 2-D long scan fails
+in CI on torch 2.11 before it reaches a GPU; ``scripts/gpu_check.py``
+runs every function on a GPU at 8192, 8193, 32768 and 131072.
 """
 
 from __future__ import annotations
