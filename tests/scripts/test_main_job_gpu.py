@@ -19,7 +19,7 @@ from torch.nn.attention.flex_attention import create_mask
 from packfn import document_block_mask
 
 from examples.packed_decoder import DecoderConfig, PackedDecoder, lengths_from_boundaries, packed_loss
-from scripts import main_job
+from scripts import attention_paths, main_job, main_job_report
 from scripts.batches import make_batches
 from scripts.upstream import eager_block_causal_mask, upstream_loss_function
 
@@ -74,7 +74,7 @@ def tiny():
 
 def test_attention_defaults_to_dense_on_the_cpu_and_to_varlen_on_cuda():
     assert main_job.parse_args([]).attention == "dense"
-    assert main_job.GPU_ATTENTION == "varlen"
+    assert attention_paths.GPU_ATTENTION == "varlen"
     for device in ("cuda", "cuda:1"):
         assert main_job.parse_args(["--device", device]).attention == "varlen"
 
@@ -114,18 +114,18 @@ def test_varlen_on_the_cpu_exits_with_the_kernels_own_error(capsys):
 
 def test_varlen_without_varlen_attn_names_the_torch_it_needs(monkeypatch):
     monkeypatch.setitem(sys.modules, "torch.nn.attention.varlen", None)  # the import fails, as before torch 2.10
-    error = main_job.attention_error("varlen", CPU)
+    error = attention_paths.attention_error("varlen", CPU)
     assert error == (
         "--attention varlen cannot train on cpu: RuntimeError: needs torch.nn.attention.varlen.varlen_attn with "
         f"window_size (torch 2.11 or later); this is torch {torch.__version__}"
     )
-    assert main_job.attention_error("dense", CPU) is None
+    assert attention_paths.attention_error("dense", CPU) is None
 
 
 def test_varlen_streams_of_upstream_and_packfn_hold_the_same_boundaries_positions_and_tokens():
     # The documented example: both give cu_seqlens [0, 2, 5, 9] (packfn's then 9 repeated) and these positions.
-    packfn = main_job.packfn_token_stream(EXAMPLE_MASK, max_documents=2)
-    upstream = main_job.upstream_token_stream(EXAMPLE_MASK)
+    packfn = attention_paths.packfn_token_stream(EXAMPLE_MASK, max_documents=2)
+    upstream = attention_paths.upstream_token_stream(EXAMPLE_MASK)
     assert packfn.cu_seqlens.tolist() == [0, 2, 5, 9, 9] and upstream.cu_seqlens.tolist() == [0, 2, 5, 9]
     assert upstream.position_ids.tolist() == [[0, 1, 0, 1, 2, 0, 1, 2, 3]]
     assert (packfn.max_seqlen, upstream.max_seqlen) == (6, 4)  # packfn's static bound, upstream's host read
@@ -133,8 +133,8 @@ def test_varlen_streams_of_upstream_and_packfn_hold_the_same_boundaries_position
     batches = make_batches(2, batch=4, sequence=256, mean=40, vocab=64, alignment=16, max_documents=16, seed=3)
     for document_ids in [EXAMPLE_MASK, *(batch.document_ids for batch in batches)]:
         max_documents = 2 if document_ids is EXAMPLE_MASK else 16
-        packfn = main_job.packfn_token_stream(document_ids, max_documents=max_documents)
-        upstream = main_job.upstream_token_stream(document_ids)
+        packfn = attention_paths.packfn_token_stream(document_ids, max_documents=max_documents)
+        upstream = attention_paths.upstream_token_stream(document_ids)
         tokens, rows = upstream.indices.numel(), document_ids.numel()
         assert tokens == int((document_ids > 0).sum())
         documents = upstream.cu_seqlens.numel()
@@ -173,8 +173,8 @@ def test_flex_block_masks_of_upstream_and_packfn_are_equal():
         )
         assert torch.equal(layout.sequence_ids, theirs.sequence_ids)
         sequence_ids = layout.sequence_ids
-        ours = document_block_mask(sequence_ids, block_size=main_job.FLEX_BLOCK_SIZE)
-        upstream = main_job.upstream_block_mask(theirs.sequence_ids)
+        ours = document_block_mask(sequence_ids, block_size=attention_paths.FLEX_BLOCK_SIZE)
+        upstream = attention_paths.upstream_block_mask(theirs.sequence_ids)
         assert ours.BLOCK_SIZE == upstream.BLOCK_SIZE == (128, 128)
         assert upstream.kv_num_blocks.shape[-1] == sequence_ids.shape[1] // 128 >= 4
         for name in ("kv_num_blocks", "full_kv_num_blocks"):
@@ -195,15 +195,15 @@ def test_flex_and_varlen_paths_compute_the_dense_loss_and_varlen_its_gradients(t
     assert torch.allclose(upstream_loss_function(minimum_length=minimum_length)(*arguments), dense, atol=1e-6)
     with torch.no_grad():  # FlexAttention's CPU kernels are forward only
         for loss in (
-            main_job.packfn_loss_function("flex"),
-            main_job.upstream_loss_for("flex", minimum_length=minimum_length, compiled_flex=False),
+            attention_paths.packfn_loss_function("flex"),
+            attention_paths.upstream_loss_for("flex", minimum_length=minimum_length, compiled_flex=False),
         ):
             assert torch.allclose(loss(*arguments), dense, atol=1e-6)
     dense.backward()
     expected = {name: parameter.grad.clone() for name, parameter in model.named_parameters()}
     for loss in (
-        main_job.packfn_loss_function("varlen", varlen_kernel=reference_varlen_attn),
-        main_job.upstream_loss_for("varlen", varlen_kernel=reference_varlen_attn),
+        attention_paths.packfn_loss_function("varlen", varlen_kernel=reference_varlen_attn),
+        attention_paths.upstream_loss_for("varlen", varlen_kernel=reference_varlen_attn),
     ):
         model.zero_grad(set_to_none=True)
         value = loss(*arguments)
@@ -217,8 +217,8 @@ def test_flex_and_varlen_paths_compute_the_dense_loss_and_varlen_its_gradients(t
 def test_packfn_flex_and_varlen_steps_trace_as_one_graph(tiny):
     """``fullgraph=True`` on Dynamo alone (the eager backend: no Inductor compile here), as packfn's step compiles."""
     torch._dynamo.reset()
-    flex = torch.compile(main_job.packfn_loss_function("flex"), backend="eager", fullgraph=True)
-    varlen = main_job.packfn_loss_function("varlen", varlen_kernel=sdpa_varlen_attn)
+    flex = torch.compile(attention_paths.packfn_loss_function("flex"), backend="eager", fullgraph=True)
+    varlen = attention_paths.packfn_loss_function("varlen", varlen_kernel=sdpa_varlen_attn)
     dense = packed_loss(*tiny).item()
     with torch.no_grad():
         assert flex(*tiny).item() == pytest.approx(dense, abs=1e-6)
@@ -232,7 +232,7 @@ def test_packfn_flex_and_varlen_steps_trace_as_one_graph(tiny):
 def test_the_cuda_report_names_precision_attention_cuda_graphs_and_peak_memory():
     batches = make_batches(2, batch=2, sequence=64, mean=16, vocab=64)
     config = DecoderConfig(sequence=64, budget=batches[0].packed.budget, hidden=32, heads=2)
-    pipelines = main_job.Pipelines(
+    pipelines = main_job_report.Pipelines(
         documents=10,
         document_tokens=[12] * 10,
         source="test",
@@ -243,17 +243,18 @@ def test_the_cuda_report_names_precision_attention_cuda_graphs_and_peak_memory()
     )
     mib = 2**20
     drivers = {}
-    for name, peak in ((main_job.UPSTREAM_EAGER, 40), (main_job.UPSTREAM_COMPILED, 36), (main_job.PACKFN, 30)):
-        drivers[name] = main_job.Driver(
+    peaks = {main_job_report.UPSTREAM_EAGER: 40, main_job_report.UPSTREAM_COMPILED: 36, main_job_report.PACKFN: 30}
+    for name, peak in peaks.items():
+        drivers[name] = main_job_report.Driver(
             name,
             seconds=[0.5, 0.01, 0.01],
             tokens=[100, 100, 100],
             warmup_steps=1,
             memory=[(99 * mib, 1 * mib), (peak * mib, 20 * mib), ((peak - 2) * mib, 20 * mib)],
         )
-        if name != main_job.UPSTREAM_EAGER:
+        if name != main_job_report.UPSTREAM_EAGER:
             drivers[name].graph_breaks, drivers[name].recompiles = 0, 0
-    report = main_job.MainJobReport(
+    report = main_job_report.MainJobReport(
         config=config,
         batch=2,
         pipelines=pipelines,
