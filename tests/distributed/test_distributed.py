@@ -19,8 +19,6 @@ import datetime
 import json
 import math
 import os
-import queue as queue_module
-import socket
 import time
 import traceback
 
@@ -41,6 +39,7 @@ from packfn.distributed import (
 )
 
 from tests.assertions import assert_same, outcome
+from tests.distributed.ranks import collect, free_port, no_result
 from tests.references import masked_attention, varlen_attention
 
 WORLDS = (2, 4)
@@ -53,12 +52,6 @@ BUDGETS = {"contiguous": BUDGET, "rotated": 64, "head_tail": 64}
 
 
 # ------------------------------------------------------------ the harness
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def _worker(rank: int, world: int, port: int, names: tuple[str, ...], queue) -> None:
@@ -84,28 +77,11 @@ def spawn(world: int, names: tuple[str, ...]) -> list[dict[str, str | None]]:
     """
     context = mp.get_context("spawn")
     queue = context.Queue()
-    port = _free_port()
+    port = free_port()
     processes = [context.Process(target=_worker, args=(rank, world, port, names, queue)) for rank in range(world)]
-    for process in processes:
-        process.start()
-    results: list[dict[str, str | None] | None] = [None] * world
-    deadline = time.monotonic() + DEADLINE
-    while None in results and time.monotonic() < deadline:
-        try:
-            rank, checks = queue.get(timeout=0.5)
-            results[rank] = checks
-        except queue_module.Empty:
-            if not any(process.is_alive() for process in processes) and queue.empty():
-                break
-    for process in processes:
-        process.join(timeout=5)
-        if process.is_alive():
-            process.kill()
-            process.join()
+    results = collect(processes, queue, DEADLINE)
     return [
-        checks
-        if checks is not None
-        else dict.fromkeys(names, f"rank {rank} gave no result (exit code {processes[rank].exitcode})")
+        checks if checks is not None else dict.fromkeys(names, no_result(rank, processes[rank]))
         for rank, checks in enumerate(results)
     ]
 

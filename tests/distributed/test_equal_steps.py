@@ -16,8 +16,6 @@ from __future__ import annotations
 import datetime
 import itertools
 import os
-import queue as queue_module
-import time
 import traceback
 
 import pytest
@@ -28,7 +26,7 @@ import torch.nn.functional as F
 
 from packfn.data import PackedDataset
 
-from tests.distributed.test_distributed import _free_port
+from tests.distributed.ranks import collect, free_port, no_result
 
 DEADLINE = 180.0  # the fork server imports torch once, then each rank trains in a few seconds on 2 shared cores
 VOCAB, COUNT, RESUME_AT = 97, 289, 4
@@ -118,28 +116,10 @@ def _spawn(world: int) -> list[dict | str]:
     context = mp.get_context("forkserver")
     context.set_forkserver_preload([__name__])
     queue = context.Queue()
-    port = _free_port()
+    port = free_port()
     processes = [context.Process(target=_worker, args=(rank, world, port, queue)) for rank in range(world)]
-    for process in processes:
-        process.start()
-    results: list[dict | str | None] = [None] * world
-    deadline = time.monotonic() + DEADLINE
-    while None in results and time.monotonic() < deadline:
-        try:
-            rank, result = queue.get(timeout=0.5)
-            results[rank] = result
-        except queue_module.Empty:
-            if not any(process.is_alive() for process in processes) and queue.empty():
-                break
-    for process in processes:
-        process.join(timeout=5)
-        if process.is_alive():
-            process.kill()
-            process.join()
-    return [
-        result if result is not None else f"rank {rank} gave no result (exit code {processes[rank].exitcode})"
-        for rank, result in enumerate(results)
-    ]
+    results = collect(processes, queue, DEADLINE)
+    return [result if result is not None else no_result(rank, processes[rank]) for rank, result in enumerate(results)]
 
 
 @pytest.mark.parametrize("world", [2, 4])

@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import json
-import socket
 import subprocess
 import sys
 import time
@@ -21,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from scripts import main_job
+from tests.distributed.ranks import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPTS = REPO / "scripts"
@@ -234,12 +234,6 @@ def test_every_entry_script_runs_as_a_file_from_another_folder(tmp_path):
         assert printed.startswith("usage: "), (name, printed)
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def _get(url: str) -> bytes:
     with urllib.request.urlopen(url, timeout=30) as response:
         assert response.status == 200, url
@@ -257,7 +251,7 @@ def test_tensorboard_profiler_plugin_serves_the_run(profiled, tmp_path):
     except ImportError as error:
         pytest.fail(f"TensorBoard with torch-tb-profiler is needed ({error}): {PROFILE_INSTALL}")
     out, _ = profiled
-    port = _free_port()
+    port = free_port()
     log = tmp_path / "tensorboard.log"
     command = [sys.executable, "-m", "tensorboard.main", "--logdir", str(out), "--host", "127.0.0.1"]
     with log.open("w") as sink:
