@@ -312,6 +312,7 @@ class PackedDataset(IterableDataset):
         self._fill_warned = False  # FillWarning is given once per dataset (per process)
         self._states: dict[str, dict[str, Any]] = {}  # by shard key: the progress of the latest iterators
         self._pending: dict[str, Any] | None = None  # a loaded state the next iterator starts from
+        self._worker_iterated = False  # in a DataLoader worker's copy: an iterator was made (once, unless persistent)
 
     # ---------------------------------------------------------------- settings and state
 
@@ -409,6 +410,11 @@ class PackedDataset(IterableDataset):
         stands. Pass the result to :meth:`load_state_dict` of a fresh
         dataset with the same settings, before wrapping it in a
         ``DataLoader`` with the same ``num_workers``.
+
+        Raises:
+            ValueError: ``batches`` is negative, or past the batches this
+                rank yields in the epoch (a global step count, say): the
+                resumed epoch would yield nothing.
         """
         batches = check_int(batches, "batches", minimum=0)
         num_workers = check_int(num_workers, "num_workers", minimum=0)
@@ -420,6 +426,11 @@ class PackedDataset(IterableDataset):
             return (state for step, state in self._sent(shard, None, True) if step is not None)
 
         totals = [sum(1 for _ in itertools.islice(sent(shard), batches)) for shard in shards]
+        if batches > sum(totals):  # the epoch's batches, counted up to one past the end
+            raise ValueError(
+                f"batches must be at most the {sum(totals)} batches this rank's DataLoader yields in epoch "
+                f"{self.epoch} (the batches the training loop consumed in the epoch), got {batches}"
+            )
         taken = [0] * workers
         for _, worker in zip(range(batches), _turns(totals), strict=False):
             taken[worker] += 1
@@ -465,6 +476,15 @@ class PackedDataset(IterableDataset):
         if info is None:
             shard = self._shard(0, 0)
         else:
+            if self._worker_iterated:  # raised at the first batch, which the DataLoader hands to the main process
+                return _refused(
+                    RuntimeError(
+                        "PackedDataset iterated again in the same DataLoader worker (persistent_workers=True): "
+                        "set_epoch and load_state_dict in the main process never reach a persistent worker's "
+                        "copy, so this epoch would repeat the last one's batches; use persistent_workers=False"
+                    )
+                )
+            self._worker_iterated = True
             rotation = pending.get("rotation", 0) if pending is not None else 0
             shard = self._shard((info.id + rotation) % info.num_workers, info.num_workers)
         return _PackedIterator(self, shard, pending)
@@ -580,6 +600,12 @@ class PackedDataset(IterableDataset):
             for step in self._plan(state, reader, lambda wanted: wanted == number)
             if isinstance(step, _Step) and step.number == number
         )
+
+
+def _refused(error: Exception) -> Iterator[Any]:
+    """An iterator that raises ``error`` at its first ``next``."""
+    raise error
+    yield
 
 
 def _turns(totals: list[int]) -> Iterator[int]:

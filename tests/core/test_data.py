@@ -207,6 +207,27 @@ def test_a_rank_yields_the_same_batches_with_two_dataloader_workers_and_resumes_
         restored = PackedDataset(documents, **kwargs)
         restored.load_state_dict(state)
         assert_same_batches(uninterrupted[consumed:], list(DataLoader(restored, batch_size=None, num_workers=2)))
+    restored = PackedDataset(documents, **kwargs)
+    restored.load_state_dict(PackedDataset(documents, **kwargs).state_after(8, num_workers=2))  # the epoch's end
+    assert list(DataLoader(restored, batch_size=None, num_workers=2)) == []
+    for workers in (0, 2):  # a count past the rank's 8 batches (a global step, say) would skip the epoch
+        with pytest.raises(ValueError, match=r"batches must be at most the 8 batches this rank's .* got 9"):
+            PackedDataset(documents, **kwargs).state_after(9, num_workers=workers)
+
+
+def test_a_persistent_worker_iterating_again_raises_instead_of_repeating_the_last_epoch():
+    documents = [[index + 1] * (1 + index % 13) for index in range(60)]
+    dataset = PackedDataset(documents, **SMALL, shuffle=True)
+    loader = DataLoader(dataset, batch_size=None, num_workers=1, persistent_workers=True)
+    first = list(loader)
+    assert_conserved(first, documents)
+    dataset.set_epoch(1)  # never reaches the persistent worker's copy
+    with pytest.raises(RuntimeError, match=r"iterated again in the same DataLoader worker .* persistent_workers=False"):
+        list(loader)
+    again = DataLoader(dataset, batch_size=None, num_workers=1)  # workers made anew each epoch: set_epoch holds
+    expected = PackedDataset(documents, **SMALL, shuffle=True)
+    expected.set_epoch(1)
+    assert_same_batches(list(again), list(expected))
 
 
 def test_statefuldataloader_resumes_inside_two_workers():
@@ -475,7 +496,7 @@ def test_a_state_dict_from_a_loader_with_other_settings_raises():
     with pytest.raises(ValueError, match="not a PackedDataset state_dict"):
         PackedDataset(documents, **SMALL).load_state_dict({"epoch": 0})
     # A state saved with two workers does not load into a process without them.
-    two = PackedDataset(documents, **SMALL).state_after(3, num_workers=2)
+    two = PackedDataset(documents, **SMALL).state_after(1, num_workers=2)
     dataset = PackedDataset(documents, **SMALL)
     dataset.load_state_dict(two)
     with pytest.raises(ValueError, match="resume with the number of DataLoader workers it was saved with"):
