@@ -125,6 +125,15 @@ def decode_example(example: object, index: int) -> tuple[torch.Tensor, torch.Ten
     return tokens, labels
 
 
+def check_token_ids(documents: list[int], length: torch.Tensor, tokens: torch.Tensor) -> None:
+    """Raise ``ValueError`` naming the first example whose ``input_ids`` hold a negative id (one pass, no copy)."""
+    if not tokens.numel() or int(tokens.min()) >= 0:
+        return
+    first = int((tokens < 0).nonzero()[0, 0])
+    position = int(torch.searchsorted(length.cumsum(0), first, right=True))
+    raise ValueError(f"example {documents[position]}: input_ids holds a negative token id ({int(tokens[first])})")
+
+
 def concatenate(
     documents: list[int], decoded: list[tuple[torch.Tensor, torch.Tensor | None]], lengths_only: bool
 ) -> Tokens:
@@ -132,6 +141,7 @@ def concatenate(
     if lengths_only:
         return Tokens(torch.tensor(documents, dtype=torch.int64), length, None, None)
     tokens = torch.cat([tokens for tokens, _ in decoded]) if decoded else torch.zeros(0, dtype=torch.int64)
+    check_token_ids(documents, length, tokens)
     labels = None
     if any(labels is not None for _, labels in decoded):
         labels = torch.cat([tokens if labels is None else labels for tokens, labels in decoded])
@@ -619,6 +629,7 @@ class ArrowTokens:
             tokens = labels = None
             if not lengths_only:
                 tokens, labels = self._tokens(documents, rows, length)
+                check_token_ids(documents, torch.from_numpy(length), tokens)
         finally:
             if self.files is not None:
                 self.files.release()

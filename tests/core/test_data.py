@@ -418,6 +418,17 @@ def test_an_example_without_input_ids_raises():
         _first([{"input_ids": [1]}, {"input_ids": None}])
 
 
+def test_a_negative_token_id_raises_naming_the_example():
+    import datasets
+    import pyarrow as pa
+
+    with pytest.raises(ValueError, match=r"example 2: input_ids holds a negative token id \(-1\)"):
+        _first([[1, 2], [3], [4, -1, 5]])
+    table = pa.table({"input_ids": pa.array([[1, 2, 3], [-4, 5]], pa.list_(pa.int32()))})
+    with pytest.raises(ValueError, match=r"example 1: input_ids holds a negative token id \(-4\)"):
+        _first(datasets.Dataset(table))  # read from the Arrow column in place
+
+
 def test_non_integer_tokens_raise():
     with pytest.raises(TypeError, match=r"example 0: input_ids must hold integer token ids, got dtype torch.float32"):
         _first([[1.5, 2.0]])
