@@ -125,15 +125,6 @@ def decode_example(example: object, index: int) -> tuple[torch.Tensor, torch.Ten
     return tokens, labels
 
 
-def check_token_ids(documents: list[int], length: torch.Tensor, tokens: torch.Tensor) -> None:
-    """Raise ``ValueError`` naming the first example whose ``input_ids`` hold a negative id (one pass, no copy)."""
-    if not tokens.numel() or int(tokens.min()) >= 0:
-        return
-    first = int((tokens < 0).nonzero()[0, 0])
-    position = int(torch.searchsorted(length.cumsum(0), first, right=True))
-    raise ValueError(f"example {documents[position]}: input_ids holds a negative token id ({int(tokens[first])})")
-
-
 def concatenate(
     documents: list[int], decoded: list[tuple[torch.Tensor, torch.Tensor | None]], lengths_only: bool
 ) -> Tokens:
@@ -691,13 +682,27 @@ class ArrowTokens:
 
 def _first_null(values, count) -> tuple[int, int]:
     """Which list of ``count`` lengths holds the first null of their flat ``values``, and at which of its tokens."""
-    import numpy as np
     import pyarrow.compute as pc
 
-    position = pc.index(values.is_null(), True).as_py()
+    return _holder(count, pc.index(values.is_null(), True).as_py())
+
+
+def _holder(count, position: int) -> tuple[int, int]:
+    """Which list of ``count`` lengths (an array) holds entry ``position`` of their flat values, and at which index."""
+    import numpy as np
+
     ends = np.cumsum(count)
     example = int(np.searchsorted(ends, position, side="right"))
     return example, position - int(ends[example] - count[example])
+
+
+def check_token_ids(documents: list[int], length: torch.Tensor, tokens: torch.Tensor) -> None:
+    """Raise ``ValueError`` naming the first example whose ``input_ids`` hold a negative id (one pass, no copy)."""
+    if not tokens.numel() or int(tokens.min()) >= 0:
+        return
+    first = int((tokens < 0).nonzero()[0, 0])
+    example, _ = _holder(length.numpy(), first)
+    raise ValueError(f"example {documents[example]}: input_ids holds a negative token id ({int(tokens[first])})")
 
 
 def check_lengths(documents: list[int], length: torch.Tensor, null) -> None:
