@@ -61,9 +61,9 @@ feeding it from its own helpers:
 - ``flex``: FlexAttention over the aligned rows. packfn:
   :func:`packfn.document_block_mask` inside the compiled step; upstream:
   ``create_block_mask`` over a document ``mask_mod``, as torchtitan does.
-  NOTE [FlexAttention in the main job] (``scripts/attention_paths.py``) gives its block size, BlockMask
-  reuse and compile options. Training needs CUDA (torch 2.13 has no
-  FlexAttention backward on the CPU).
+  NOTE [FlexAttention in the main job] (``scripts/attention_paths.py``)
+  gives its block size, BlockMask reuse and compile options. Training needs
+  CUDA (torch 2.13 has no FlexAttention backward on the CPU).
 
 varlen is the GPU default because it does no work on padding, on alignment
 gaps or across documents (FlashAttention's cost is each document's length
