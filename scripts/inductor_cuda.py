@@ -162,10 +162,29 @@ def _believe_h200():
         yield
 
 
+class _H200Driver:
+    """What Triton's active driver tells torch while it reads a user-defined kernel (Hopper, warps of 32)."""
+
+    @staticmethod
+    def get_current_target():
+        from triton.backends.compiler import GPUTarget
+
+        return GPUTarget("cuda", 90, 32)
+
+
 @contextlib.contextmanager
 def _lowering_on_cuda():
-    """Inductor's compile with the graph lowered for CUDA, and no cache that could serve CPU code instead."""
+    """Inductor's compile with the graph lowered for CUDA, and no cache that could serve CPU code instead.
+
+    packfn's ops take their Triton kernels, as on a CUDA tensor (NOTE [Two
+    launches on a GPU] in ``packfn/_ops/triton_rows.py``), and torch reads
+    those kernels' Triton IR for an H200 to learn which arguments they write.
+    """
+    from triton.runtime import driver
+
     patches = [
+        mock.patch("packfn._ops._registry.gpu_kernels", lambda tensor: True),
+        mock.patch.object(type(driver), "active", property(lambda self: _H200Driver)),
         mock.patch("torch._inductor.compile_fx.GraphLowering", _lowering_class()),
         mock.patch("torch._inductor.config.fx_graph_cache", False),
         mock.patch("torch._inductor.config.fx_graph_remote_cache", False),
@@ -222,7 +241,8 @@ def triton_code(function: Callable[..., object], *args, dynamic: bool = False) -
     return ""  # no graph: the function computes nothing (it returns its inputs)
 
 
-_TRITON = re.compile(r"\b(triton_\w+)\.run\(")
+# Inductor's own kernels (triton_*) and user-defined ones (packfn's, under their function's name).
+_TRITON = re.compile(r"\b(\w+)\.run\(")
 # Kernels the wrapper launches besides its own: aten fallbacks (a scan Inductor does not split, a sort), extern
 # kernels (matmuls) and the memset of a split scan's workspace.
 _OTHER = re.compile(r"\b(torch\.ops\.aten\.\w+(?:\.\w+)?|extern_kernels\.\w+)\(|(\w+)\.zero_\(\)")

@@ -72,10 +72,10 @@ def assert_same_math(actual, expected, mask, atol=1e-10, rtol=1e-10) -> None:
         assert not (grad * ~valid).any()
 
 
-def assert_same_outputs(op, *args) -> None:
-    """An op's eager kernel and decomposition agree (NOTE [Eager kernels]): equal outputs where no rule
-    breaks, otherwise the same first broken rule."""
-    expected, actual = op.math(*args), op.eager(*args)
+def assert_same_outputs(op, *args, body=None) -> None:
+    """An op's eager kernel (or ``body``) and decomposition agree (NOTE [Eager kernels]): equal outputs where
+    no rule breaks, otherwise the same first broken rule."""
+    expected, actual = op.math(*args), (body or op.eager)(*args)
     if expected.broken.any() or actual.broken.any():
         assert expected.broken.any() and actual.broken.any(), (args, expected.broken, actual.broken)
         assert int(expected.broken.int().argmax()) == int(actual.broken.int().argmax()), (args, expected, actual)

@@ -49,6 +49,7 @@ __all__ = [
     "Rule",
     "assert_rules",
     "device_assert",
+    "gpu_kernels",
     "named_value",
     "packfn_op",
 ]
@@ -62,6 +63,7 @@ def packfn_op(
     eager: Callable[..., Any] | None = None,
     backward: Callable[..., Any] | None = None,
     setup_context: Callable[..., None] | None = None,
+    gpu: str | None = None,
 ) -> Callable[[Callable[..., Any]], Any]:
     """Register ``math`` as the op ``packfn::<name>`` (see NOTE [One body, three roles]).
 
@@ -78,6 +80,10 @@ def packfn_op(
         backward: Optional ``register_autograd`` backward for differentiable
             outputs.
         setup_context: Saves what ``backward`` needs.
+        gpu: The name of a function of :mod:`packfn._ops.triton_rows` with
+            ``math``'s signature and outputs, launching Triton kernels: on
+            CUDA tensors it replaces both bodies, in eager and in the
+            decomposition Inductor compiles (NOTE [Two launches on a GPU]).
 
     Returns:
         A decorator that takes the typed math function and returns the
@@ -86,15 +92,18 @@ def packfn_op(
     """
 
     def register(math: Callable[..., Any]) -> Any:
-        kernel = math if eager is None else eager
+        eager_body = math if eager is None else eager
+        kernel, decomposition = eager_body, math
+        if gpu is not None:
+            kernel, decomposition = _on_gpu(gpu, eager_body), _on_gpu(gpu, math)
         op = torch.library.custom_op(f"{NAMESPACE}::{name}", mutates_args=())(kernel)
         op.register_fake(fake)
         overload = getattr(torch.ops.packfn, name).default
-        overload.py_impl(DispatchKey.CompositeImplicitAutograd)(math)
+        overload.py_impl(DispatchKey.CompositeImplicitAutograd)(decomposition)
         if backward is not None:
             op.register_autograd(backward, setup_context=setup_context)
         if outputs is None:
-            op.math, op.eager = math, kernel
+            op.math, op.eager = math, eager_body
             return op
 
         def named(function: Callable[..., Any]) -> Callable[..., Any]:
@@ -110,11 +119,45 @@ def packfn_op(
                 return outputs(*op(*args))
             return outputs(*kernel(*args))
 
-        # The two bodies, callable on their own (the tests hold them equal).
-        call.op, call.math, call.eager = op, named(math), named(kernel)
+        # The bodies, callable on their own (the tests hold them equal).
+        call.op, call.math, call.eager = op, named(math), named(eager_body)
+        if gpu is not None:
+            call.gpu = named(lambda *args: _gpu_body(gpu)(*args))
         return call
 
     return register
+
+
+@functools.cache
+def _triton_importable() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("triton") is not None
+
+
+def gpu_kernels(tensor: torch.Tensor) -> bool:
+    """Whether an op with Triton kernels runs them on ``tensor``: a non-empty CUDA tensor, with ``triton`` installed.
+
+    An empty input takes the aten body, whose outputs need no kernel.
+    """
+    return tensor.device.type == "cuda" and tensor.numel() > 0 and _triton_importable()
+
+
+def _gpu_body(name: str) -> Callable[..., Any]:
+    # Imported on first use: importing triton costs time, and a CPU install may lack it.
+    from packfn._ops import triton_rows
+
+    return getattr(triton_rows, name)
+
+
+def _on_gpu(name: str, body: Callable[..., Any]) -> Callable[..., Any]:
+    """``body``, or the Triton kernels of ``triton_rows.<name>`` where the first argument is on CUDA."""
+
+    @functools.wraps(body)
+    def choose(*args: Any) -> Any:
+        return _gpu_body(name)(*args) if gpu_kernels(args[0]) else body(*args)
+
+    return choose
 
 
 def named_value(name: str, value: object) -> str:

@@ -278,7 +278,13 @@ def _varlen_metadata_eager(
     return varlen_from(parsed, document_ids.shape[0], max_documents)
 
 
-@packfn_op("varlen_metadata", fake=_varlen_metadata_fake, outputs=VarlenOutputs, eager=_varlen_metadata_eager)
+@packfn_op(
+    "varlen_metadata",
+    fake=_varlen_metadata_fake,
+    outputs=VarlenOutputs,
+    eager=_varlen_metadata_eager,
+    gpu="varlen_metadata",
+)
 def varlen_metadata_op(
     document_ids: torch.Tensor, max_documents: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -334,7 +340,9 @@ def _batch_metadata_eager(
     return _batch_from(parse_mask_eager(document_ids, max_documents), max_documents)
 
 
-@packfn_op("batch_metadata", fake=_batch_metadata_fake, outputs=BatchOutputs, eager=_batch_metadata_eager)
+@packfn_op(
+    "batch_metadata", fake=_batch_metadata_fake, outputs=BatchOutputs, eager=_batch_metadata_eager, gpu="batch_metadata"
+)
 def batch_metadata_op(
     document_ids: torch.Tensor, max_documents: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:

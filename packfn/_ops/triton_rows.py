@@ -1,0 +1,308 @@
+"""Triton kernels for the mask-parsing metadata ops on CUDA: two launches each.
+
+NOTE [Two launches on a GPU]
+Written as aten ops, a mask parse is a chain of scans, scatters, reductions
+and their memsets, and Inductor cannot fuse across a scan or a scatter:
+``varlen_metadata`` and ``batch_metadata`` launched 16 kernels each at
+8 x 32768 on an H200, where reading the mask once takes well under a
+microsecond, so their time was launch latency. On CUDA they run these
+kernels instead, one program per row, each walking its row in blocks of
+``BLOCK`` columns with a few running values carried from block to block:
+
+1. ``_row_stats``: each row's valid tokens, documents, longest document and
+   rule flags (``[batch, 5]`` int64);
+2. ``_varlen_rows`` or ``_batch_rows``: the row again, now knowing the rows
+   before it from (1), writing every output once: the valid-first
+   permutation, the boundaries and lengths of each document, the padding
+   slots past the last document; program 0 writes the totals and flags.
+
+No output needs a memset (every slot is written by exactly one program) and
+nothing is read back to the host, so the two launches go into a CUDA graph.
+A block finds its documents as the eager kernels do: with a running maximum
+of the ids before each column (``tl.associative_scan``), a valid id that
+differs from it starts a document and one below it breaks the order rule.
+
+The aten bodies stay: they are the op on every other device, the
+decomposition ``torch.export`` records, and the reference the kernels are
+tested against. ``tests/core/test_triton_rows.py`` runs these kernels on
+the CPU through Triton's interpreter (``TRITON_INTERPRET=1``) against them
+on generated masks, and ``scripts/inductor_cuda.py`` counts their launches
+in the code Inductor writes for an H200. Under ``torch.compile`` Inductor
+emits the kernels as they are (user-defined Triton kernels), with no call
+back into ``packfn::``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch.library import wrap_triton
+
+__all__ = ["batch_metadata", "varlen_metadata"]
+
+BLOCK = 1024  # columns a program reads at a time
+ROWS = 128  # rows a program sums at a time to learn the rows before it
+STATS = 5  # valid tokens, documents, longest document, a negative id, a decrease
+
+
+@triton.jit
+def _maximum(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit
+def _top_two(first_a, second_a, first_b, second_b):
+    # The two largest of a multiset, merged: associative, so a scan can use it.
+    return tl.maximum(first_a, first_b), tl.maximum(tl.minimum(first_a, first_b), tl.maximum(second_a, second_b))
+
+
+@triton.jit
+def _block(ids, sequence, begin, last_id, seen, BLOCK: tl.constexpr):
+    """One block of a row: its columns, ids, valid and start flags, and each column's valid tokens before it."""
+    column = begin + tl.arange(0, BLOCK)
+    inside = column < sequence
+    value = tl.load(ids + column, mask=inside, other=0).to(tl.int64)
+    left = tl.load(ids + column - 1, mask=inside & (column > 0), other=0).to(tl.int64)
+    # The largest id before each column (0 before the first): the previous
+    # valid id wherever ids never decrease.
+    earlier = tl.maximum(tl.associative_scan(left, 0, _maximum), last_id)
+    valid = value != 0
+    starts = valid & (value != earlier)
+    count = valid.to(tl.int64)
+    rank = seen + tl.cumsum(count, 0) - count
+    return column, inside, value, earlier, valid, starts, rank
+
+
+@triton.jit
+def _row_stats(ids, stats, sequence, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    ids += row * sequence
+    zero = tl.zeros((), tl.int64)
+    last_id, seen, documents, start, longest, negative, decrease = zero, zero, zero, zero - 1, zero, zero, zero
+    for begin in range(0, sequence, BLOCK):
+        _, _, value, earlier, valid, starts, rank = _block(ids, sequence, begin, last_id, seen, BLOCK)
+        # Each valid token's document began at the latest start at or before it.
+        began = tl.maximum(tl.associative_scan(tl.where(starts, rank, -1), 0, _maximum), start)
+        longest = tl.maximum(longest, tl.max(tl.where(valid, rank - began + 1, 0), 0))
+        negative = tl.maximum(negative, tl.max((value < 0).to(tl.int64), 0))
+        decrease = tl.maximum(decrease, tl.max((valid & (value < earlier)).to(tl.int64), 0))
+        start = tl.max(began, 0)
+        last_id = tl.maximum(last_id, tl.max(value, 0))
+        seen += tl.sum(valid.to(tl.int64), 0)
+        documents += tl.sum(starts.to(tl.int64), 0)
+    stats += row * 5
+    tl.store(stats + 0, seen)
+    tl.store(stats + 1, documents)
+    tl.store(stats + 2, longest)
+    tl.store(stats + 3, negative)
+    tl.store(stats + 4, decrease)
+
+
+@triton.jit
+def _rows_before(stats, batch, row, max_documents, ROWS: tl.constexpr):
+    """Valid tokens and documents in the rows before ``row`` and in all rows; the batch's longest document and flags."""
+    zero = tl.zeros((), tl.int64)
+    valid_before, documents_before, valid_total, documents_total = zero, zero, zero, zero
+    longest, negative, decrease, crowded = zero, zero, zero, zero
+    for first in range(0, batch, ROWS):
+        rows = first + tl.arange(0, ROWS)
+        inside = rows < batch
+        seen = tl.load(stats + rows * 5 + 0, mask=inside, other=0)
+        documents = tl.load(stats + rows * 5 + 1, mask=inside, other=0)
+        valid_before += tl.sum(tl.where(rows < row, seen, 0), 0)
+        documents_before += tl.sum(tl.where(rows < row, documents, 0), 0)
+        valid_total += tl.sum(seen, 0)
+        documents_total += tl.sum(documents, 0)
+        longest = tl.maximum(longest, tl.max(tl.load(stats + rows * 5 + 2, mask=inside, other=0), 0))
+        negative = tl.maximum(negative, tl.max(tl.load(stats + rows * 5 + 3, mask=inside, other=0), 0))
+        decrease = tl.maximum(decrease, tl.max(tl.load(stats + rows * 5 + 4, mask=inside, other=0), 0))
+        crowded = tl.maximum(crowded, tl.max((documents > max_documents).to(tl.int64), 0))
+    return valid_before, documents_before, valid_total, documents_total, longest, negative, decrease, crowded
+
+
+@triton.jit
+def _store_flags(broken, negative, decrease, crowded):
+    tl.store(broken + 0, negative != 0)
+    tl.store(broken + 1, decrease != 0)
+    tl.store(broken + 2, crowded != 0)
+
+
+@triton.jit
+def _varlen_rows(
+    ids,
+    stats,
+    indices,
+    cu_seqlens,
+    seqlens,
+    max_seqlen,
+    num_tokens,
+    num_documents,
+    broken,
+    batch,
+    sequence,
+    max_documents,
+    BLOCK: tl.constexpr,
+    ROWS: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    valid_before, documents_before, valid_total, documents_total, longest, negative, decrease, crowded = _rows_before(
+        stats, batch, row, max_documents, ROWS
+    )
+    capacity = batch * max_documents  # document slots; cu_seqlens has one more
+    padding_before = row * sequence - valid_before
+    ids += row * sequence
+    zero = tl.zeros((), tl.int64)
+    last_id, seen, documents, start = zero, zero, zero, zero - 1
+    for begin in range(0, sequence, BLOCK):
+        column, inside, value, _, valid, starts, rank = _block(ids, sequence, begin, last_id, seen, BLOCK)
+        # Valid tokens first in order, then the padding in order.
+        slot = tl.where(valid, valid_before + rank, valid_total + padding_before + column - rank)
+        tl.store(indices + slot, row * sequence + column, mask=inside)
+        # Document k of the batch starts at its start's valid rank.
+        document = documents_before + documents + tl.cumsum(starts.to(tl.int64), 0) - 1
+        tl.store(cu_seqlens + document, (valid_before + rank).to(tl.int32), mask=starts & (document <= capacity))
+        # At each start, the previous start of the row (the second largest start rank so far) ends a document.
+        first, second = tl.associative_scan((tl.where(starts, rank, -1), tl.full((BLOCK,), -1, tl.int64)), 0, _top_two)
+        previous = tl.maximum(second, start)
+        tl.store(
+            seqlens + document - 1,
+            (rank - previous).to(tl.int32),
+            mask=starts & (previous >= 0) & (document - 1 < capacity),
+        )
+        start = tl.maximum(start, tl.max(first, 0))
+        last_id = tl.maximum(last_id, tl.max(value, 0))
+        seen += tl.sum(valid.to(tl.int64), 0)
+        documents += tl.sum(starts.to(tl.int64), 0)
+    # The row's last document ends with its last valid token.
+    last = documents_before + documents - 1
+    tl.store(seqlens + last, (seen - start).to(tl.int32), mask=(documents > 0) & (last < capacity))
+    # Slots past the batch's documents: cu_seqlens holds the token count, seqlens 0. Row r fills slots r*D to r*D+D-1.
+    for offset in range(0, max_documents, BLOCK):
+        slot = row * max_documents + offset + tl.arange(0, BLOCK)
+        spare = (offset + tl.arange(0, BLOCK) < max_documents) & (slot >= documents_total)
+        tl.store(cu_seqlens + slot, valid_total.to(tl.int32), mask=spare)
+        tl.store(seqlens + slot, tl.zeros((BLOCK,), tl.int32), mask=spare)
+    tl.store(cu_seqlens + capacity, valid_total.to(tl.int32), mask=(row == batch - 1) & (capacity >= documents_total))
+    if row == 0:
+        tl.store(max_seqlen, longest.to(tl.int32))
+        tl.store(num_tokens, valid_total)
+        tl.store(num_documents, documents_total)
+        _store_flags(broken, negative, decrease, crowded)
+
+
+@triton.jit
+def _batch_rows(
+    ids,
+    stats,
+    packed_token_indices,
+    cu_seqlens,
+    row_max_seqlen,
+    num_documents,
+    broken,
+    batch,
+    sequence,
+    max_documents,
+    BLOCK: tl.constexpr,
+    ROWS: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    ids += row * sequence
+    packed_token_indices += row * sequence
+    cu_seqlens += row * (max_documents + 1)
+    zero = tl.zeros((), tl.int64)
+    last_id, seen, documents = zero, zero, zero
+    for begin in range(0, sequence, BLOCK):
+        column, inside, value, _, valid, starts, rank = _block(ids, sequence, begin, last_id, seen, BLOCK)
+        tl.store(packed_token_indices + column, tl.where(valid, column, -1), mask=inside)
+        document = documents + tl.cumsum(starts.to(tl.int64), 0) - 1
+        tl.store(cu_seqlens + document, rank.to(tl.int32), mask=starts & (document <= max_documents))
+        last_id = tl.maximum(last_id, tl.max(value, 0))
+        seen += tl.sum(valid.to(tl.int64), 0)
+        documents += tl.sum(starts.to(tl.int64), 0)
+    # After the last document its end, then -1 in every unused slot.
+    for offset in range(0, max_documents + 1, BLOCK):
+        slot = offset + tl.arange(0, BLOCK)
+        tail = tl.where(slot == documents, seen, -1).to(tl.int32)
+        tl.store(cu_seqlens + slot, tail, mask=(slot <= max_documents) & (slot >= documents))
+    tl.store(row_max_seqlen + row, tl.load(stats + row * 5 + 2).to(tl.int32))
+    tl.store(num_documents + row, documents)
+    if row == 0:
+        _, _, _, _, _, negative, decrease, crowded = _rows_before(stats, batch, row, max_documents, ROWS)
+        _store_flags(broken, negative, decrease, crowded)
+
+
+def _row_ids(document_ids: torch.Tensor) -> torch.Tensor:
+    """The mask as the kernels read it: contiguous, bool as uint8."""
+    ids = document_ids.view(torch.uint8) if document_ids.dtype == torch.bool else document_ids
+    return ids.contiguous()
+
+
+def _stats(ids: torch.Tensor) -> torch.Tensor:
+    batch, sequence = ids.shape
+    stats = ids.new_empty(batch, STATS, dtype=torch.int64)
+    wrap_triton(_row_stats)[(batch,)](ids, stats, sequence, BLOCK=BLOCK)
+    return stats
+
+
+def varlen_metadata(document_ids: torch.Tensor, max_documents: int):
+    """``packfn::varlen_metadata`` in two launches (NOTE [Two launches on a GPU])."""
+    ids = _row_ids(document_ids)
+    batch, sequence = ids.shape
+    capacity = batch * max_documents
+    new = ids.new_empty
+    indices = new(batch * sequence, dtype=torch.int64)
+    cu_seqlens = new(capacity + 1, dtype=torch.int32)
+    seqlens = new(capacity, dtype=torch.int32)
+    # One-element buffers viewed as 0-d: Inductor writes an empty 0-d tensor with a kernel of its own.
+    max_seqlen = new(1, dtype=torch.int32)
+    num_tokens = new(1, dtype=torch.int64)
+    num_documents = new(1, dtype=torch.int64)
+    broken = new(3, dtype=torch.bool)
+    stats = _stats(ids)
+    wrap_triton(_varlen_rows)[(batch,)](
+        ids,
+        stats,
+        indices,
+        cu_seqlens,
+        seqlens,
+        max_seqlen,
+        num_tokens,
+        num_documents,
+        broken,
+        batch,
+        sequence,
+        max_documents,
+        BLOCK=BLOCK,
+        ROWS=ROWS,
+    )
+    scalars = (tensor.view(()) for tensor in (max_seqlen, num_tokens, num_documents))
+    return indices, cu_seqlens, seqlens, *scalars, broken
+
+
+def batch_metadata(document_ids: torch.Tensor, max_documents: int):
+    """``packfn::batch_metadata`` in two launches (NOTE [Two launches on a GPU])."""
+    ids = _row_ids(document_ids)
+    batch, sequence = ids.shape
+    new = ids.new_empty
+    packed_token_indices = new(batch, sequence, dtype=torch.int64)
+    cu_seqlens = new(batch, max_documents + 1, dtype=torch.int32)
+    row_max_seqlen = new(batch, dtype=torch.int32)
+    num_documents = new(batch, dtype=torch.int64)
+    broken = new(3, dtype=torch.bool)
+    stats = _stats(ids)
+    wrap_triton(_batch_rows)[(batch,)](
+        ids,
+        stats,
+        packed_token_indices,
+        cu_seqlens,
+        row_max_seqlen,
+        num_documents,
+        broken,
+        batch,
+        sequence,
+        max_documents,
+        BLOCK=BLOCK,
+        ROWS=ROWS,
+    )
+    return packed_token_indices, cu_seqlens, row_max_seqlen, num_documents, broken
