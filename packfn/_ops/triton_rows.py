@@ -39,7 +39,7 @@ import triton
 import triton.language as tl
 from torch.library import wrap_triton
 
-__all__ = ["batch_metadata", "varlen_metadata"]
+__all__ = ["batch_metadata", "physical_varlen_metadata", "varlen_metadata"]
 
 BLOCK = 1024  # columns a program reads at a time
 ROWS = 128  # rows a program sums at a time to learn the rows before it
@@ -49,6 +49,17 @@ STATS = 5  # valid tokens, documents, longest document, a negative id, a decreas
 @triton.jit
 def _maximum(a, b):
     return tl.maximum(a, b)
+
+
+@triton.jit
+def _add(a, b):
+    return a + b
+
+
+@triton.jit
+def _running_sum(values):
+    # tl.cumsum, spelled as the scan it is: Triton 3.6's interpreter cannot call tl.cumsum from a helper.
+    return tl.associative_scan(values, 0, _add)
 
 
 @triton.jit
@@ -70,7 +81,7 @@ def _block(ids, sequence, begin, last_id, seen, BLOCK: tl.constexpr):
     valid = value != 0
     starts = valid & (value != earlier)
     count = valid.to(tl.int64)
-    rank = seen + tl.cumsum(count, 0) - count
+    rank = seen + _running_sum(count) - count
     return column, inside, value, earlier, valid, starts, rank
 
 
@@ -78,7 +89,7 @@ def _block(ids, sequence, begin, last_id, seen, BLOCK: tl.constexpr):
 def _row_stats(ids, stats, sequence, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     ids += row * sequence
-    zero = tl.zeros((), tl.int64)
+    zero = tl.full((), 0, tl.int64)
     last_id, seen, documents, start, longest, negative, decrease = zero, zero, zero, zero - 1, zero, zero, zero
     for begin in range(0, sequence, BLOCK):
         _, _, value, earlier, valid, starts, rank = _block(ids, sequence, begin, last_id, seen, BLOCK)
@@ -102,7 +113,7 @@ def _row_stats(ids, stats, sequence, BLOCK: tl.constexpr):
 @triton.jit
 def _rows_before(stats, batch, row, max_documents, ROWS: tl.constexpr):
     """Valid tokens and documents in the rows before ``row`` and in all rows; the batch's longest document and flags."""
-    zero = tl.zeros((), tl.int64)
+    zero = tl.full((), 0, tl.int64)
     valid_before, documents_before, valid_total, documents_total = zero, zero, zero, zero
     longest, negative, decrease, crowded = zero, zero, zero, zero
     for first in range(0, batch, ROWS):
@@ -152,7 +163,7 @@ def _varlen_rows(
     capacity = batch * max_documents  # document slots; cu_seqlens has one more
     padding_before = row * sequence - valid_before
     ids += row * sequence
-    zero = tl.zeros((), tl.int64)
+    zero = tl.full((), 0, tl.int64)
     last_id, seen, documents, start = zero, zero, zero, zero - 1
     for begin in range(0, sequence, BLOCK):
         column, inside, value, _, valid, starts, rank = _block(ids, sequence, begin, last_id, seen, BLOCK)
@@ -160,7 +171,7 @@ def _varlen_rows(
         slot = tl.where(valid, valid_before + rank, valid_total + padding_before + column - rank)
         tl.store(indices + slot, row * sequence + column, mask=inside)
         # Document k of the batch starts at its start's valid rank.
-        document = documents_before + documents + tl.cumsum(starts.to(tl.int64), 0) - 1
+        document = documents_before + documents + _running_sum(starts.to(tl.int64)) - 1
         tl.store(cu_seqlens + document, (valid_before + rank).to(tl.int32), mask=starts & (document <= capacity))
         # At each start, the previous start of the row (the second largest start rank so far) ends a document.
         first, second = tl.associative_scan((tl.where(starts, rank, -1), tl.full((BLOCK,), -1, tl.int64)), 0, _top_two)
@@ -182,7 +193,7 @@ def _varlen_rows(
         slot = row * max_documents + offset + tl.arange(0, BLOCK)
         spare = (offset + tl.arange(0, BLOCK) < max_documents) & (slot >= documents_total)
         tl.store(cu_seqlens + slot, valid_total.to(tl.int32), mask=spare)
-        tl.store(seqlens + slot, tl.zeros((BLOCK,), tl.int32), mask=spare)
+        tl.store(seqlens + slot, tl.full((BLOCK,), 0, tl.int32), mask=spare)
     tl.store(cu_seqlens + capacity, valid_total.to(tl.int32), mask=(row == batch - 1) & (capacity >= documents_total))
     if row == 0:
         tl.store(max_seqlen, longest.to(tl.int32))
@@ -210,12 +221,12 @@ def _batch_rows(
     ids += row * sequence
     packed_token_indices += row * sequence
     cu_seqlens += row * (max_documents + 1)
-    zero = tl.zeros((), tl.int64)
+    zero = tl.full((), 0, tl.int64)
     last_id, seen, documents = zero, zero, zero
     for begin in range(0, sequence, BLOCK):
         column, inside, value, _, valid, starts, rank = _block(ids, sequence, begin, last_id, seen, BLOCK)
         tl.store(packed_token_indices + column, tl.where(valid, column, -1), mask=inside)
-        document = documents + tl.cumsum(starts.to(tl.int64), 0) - 1
+        document = documents + _running_sum(starts.to(tl.int64)) - 1
         tl.store(cu_seqlens + document, rank.to(tl.int32), mask=starts & (document <= max_documents))
         last_id = tl.maximum(last_id, tl.max(value, 0))
         seen += tl.sum(valid.to(tl.int64), 0)
@@ -230,6 +241,64 @@ def _batch_rows(
     if row == 0:
         _, _, _, _, _, negative, decrease, crowded = _rows_before(stats, batch, row, max_documents, ROWS)
         _store_flags(broken, negative, decrease, crowded)
+
+
+@triton.jit
+def _segment_block(ids, sequence, begin, BLOCK: tl.constexpr):
+    """One block of a row: its columns and where a segment (a run of equal ids, or the row's first column) starts."""
+    column = begin + tl.arange(0, BLOCK)
+    inside = column < sequence
+    value = tl.load(ids + column, mask=inside, other=0).to(tl.int64)
+    left = tl.load(ids + column - 1, mask=inside & (column > 0), other=0).to(tl.int64)
+    return column, inside & ((value != left) | (column == 0))
+
+
+@triton.jit
+def _segment_stats(ids, stats, sequence, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    ids += row * sequence
+    zero = tl.full((), 0, tl.int64)
+    segments, start, longest = zero, zero, zero
+    for begin in range(0, sequence, BLOCK):
+        column, starts = _segment_block(ids, sequence, begin, BLOCK)
+        began = tl.maximum(tl.associative_scan(tl.where(starts, column, -1), 0, _maximum), start)
+        longest = tl.maximum(longest, tl.max(tl.where(column < sequence, column - began + 1, 0), 0))
+        start = tl.max(began, 0)
+        segments += tl.sum(starts.to(tl.int64), 0)
+    tl.store(stats + row * 2, segments)
+    tl.store(stats + row * 2 + 1, longest)
+
+
+@triton.jit
+def _segment_rows(
+    ids, stats, cu_seqlens, max_seqlen, num_segments, batch, sequence, BLOCK: tl.constexpr, ROWS: tl.constexpr
+):
+    row = tl.program_id(0).to(tl.int64)
+    zero = tl.full((), 0, tl.int64)
+    before, total, longest = zero, zero, zero
+    for first in range(0, batch, ROWS):
+        rows = first + tl.arange(0, ROWS)
+        segments = tl.load(stats + rows * 2, mask=rows < batch, other=0)
+        before += tl.sum(tl.where(rows < row, segments, 0), 0)
+        total += tl.sum(segments, 0)
+        longest = tl.maximum(longest, tl.max(tl.load(stats + rows * 2 + 1, mask=rows < batch, other=0), 0))
+    tokens = batch * sequence
+    ids += row * sequence
+    seen = zero
+    for begin in range(0, sequence, BLOCK):
+        column, starts = _segment_block(ids, sequence, begin, BLOCK)
+        segment = before + seen + _running_sum(starts.to(tl.int64)) - 1
+        tl.store(cu_seqlens + segment, (row * sequence + column).to(tl.int32), mask=starts)
+        seen += tl.sum(starts.to(tl.int64), 0)
+    # Slots past the last segment hold the token count. Row r fills slots r*S to r*S+S-1, the last row the last slot.
+    for offset in range(0, sequence, BLOCK):
+        slot = row * sequence + offset + tl.arange(0, BLOCK)
+        spare = (offset + tl.arange(0, BLOCK) < sequence) & (slot >= total)
+        tl.store(cu_seqlens + slot, tl.full((BLOCK,), 0, tl.int32) + tokens.to(tl.int32), mask=spare)
+    tl.store(cu_seqlens + tokens, tokens.to(tl.int32), mask=row == batch - 1)
+    if row == 0:
+        tl.store(max_seqlen, longest.to(tl.int32))
+        tl.store(num_segments, total)
 
 
 def _row_ids(document_ids: torch.Tensor) -> torch.Tensor:
@@ -306,3 +375,19 @@ def batch_metadata(document_ids: torch.Tensor, max_documents: int):
         ROWS=ROWS,
     )
     return packed_token_indices, cu_seqlens, row_max_seqlen, num_documents, broken
+
+
+def physical_varlen_metadata(document_ids: torch.Tensor):
+    """``packfn::physical_varlen_metadata`` in two launches (NOTE [Two launches on a GPU])."""
+    ids = _row_ids(document_ids)
+    batch, sequence = ids.shape
+    new = ids.new_empty
+    cu_seqlens = new(batch * sequence + 1, dtype=torch.int32)
+    max_seqlen = new(1, dtype=torch.int32)
+    num_segments = new(1, dtype=torch.int64)
+    stats = new(batch, 2, dtype=torch.int64)
+    wrap_triton(_segment_stats)[(batch,)](ids, stats, sequence, BLOCK=BLOCK)
+    wrap_triton(_segment_rows)[(batch,)](
+        ids, stats, cu_seqlens, max_seqlen, num_segments, batch, sequence, BLOCK=BLOCK, ROWS=ROWS
+    )
+    return cu_seqlens, max_seqlen.view(()), num_segments.view(())

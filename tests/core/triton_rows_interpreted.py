@@ -1,0 +1,143 @@
+"""The Triton kernels of NOTE [Two launches on a GPU], run on the CPU by Triton's interpreter.
+
+Not collected by itself: ``tests/core/test_triton_rows.py`` runs this file
+in a pytest of its own with ``TRITON_INTERPRET=1`` set before anything
+imports Triton (Triton 3.6, torch 2.11's, interprets only what was decorated
+with the interpreter on, ``tl.max`` and ``tl.sum`` included). The kernels
+are held to the aten bodies on generated masks. Small blocks and row groups
+make a short row span several blocks and a small batch several groups, so
+every carry from block to block and every sum over the rows before is
+exercised; one test keeps the shipped sizes.
+"""
+
+from __future__ import annotations
+
+import os
+from unittest import mock
+
+import pytest
+import torch
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
+from triton.runtime import interpreter
+
+import packfn
+from packfn._ops import _registry, triton_rows
+from packfn._ops import metadata as ops
+from packfn._ops import varlen as varlen_ops
+
+from tests.assertions import assert_same, assert_same_outputs
+from tests.core.test_eager_kernels import BROKEN
+from tests.strategies import packing_masks, random_mask
+
+assert os.environ.get("TRITON_INTERPRET") == "1", "run by tests/core/test_triton_rows.py, with the interpreter on"
+
+GPU_OPS = [ops.varlen_metadata_op, ops.batch_metadata_op]
+PHYSICAL = varlen_ops.physical_varlen_metadata_op
+OUTPUTS = {
+    ops.varlen_metadata_op: ops.VarlenOutputs,
+    ops.batch_metadata_op: ops.BatchOutputs,
+    PHYSICAL: varlen_ops.PhysicalVarlenOutputs,
+}
+
+
+@pytest.fixture(autouse=True)
+def _scalar_index():
+    """Triton 3.6 indexes with a scalar argument (``range(0, sequence, BLOCK)``) by ``int()`` of a one-element
+    array, which NumPy 2.4 refuses; from 3.7 on the interpreter takes the element (``squeeze``), as here."""
+    patch_tensor = interpreter._patch_lang_tensor
+
+    def patch_lang_tensor(tensor, scope):
+        patch_tensor(tensor, scope)
+        tensor.__index__ = lambda self: int(self.handle.data.squeeze())  # restored with the scope's own patches
+
+    with mock.patch.object(interpreter, "_patch_lang_tensor", patch_lang_tensor):
+        yield
+
+
+def _sized(block: int, rows: int):
+    return mock.patch.multiple(triton_rows, BLOCK=block, ROWS=rows)
+
+
+@pytest.fixture
+def small():
+    """Blocks of 8 columns, groups of 2 rows."""
+    with _sized(8, 2):
+        yield triton_rows
+
+
+def _kernels(module, op):
+    return lambda *args: OUTPUTS[op](*getattr(module, op.__name__.removesuffix("_op"))(*args))
+
+
+@pytest.mark.parametrize("op", GPU_OPS, ids=lambda op: op.__name__)
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(mask=packing_masks(max_sequence=40, max_batch=5), capacity=st.sampled_from([1, 2, 5, 300, None]))
+@example(mask=torch.tensor([[0, 0]]), capacity=None)
+@example(mask=torch.tensor([[3, 0, 3, 5]], dtype=torch.uint8), capacity=2)
+@example(mask=torch.tensor([[1] * 8 + [2] * 8 + [0] * 8 + [2, 3]]), capacity=None)  # a document across blocks
+def test_kernels_match_the_decomposition(small, op, mask, capacity):
+    assert_same_outputs(op, mask, capacity or mask.shape[1], body=_kernels(small, op))
+
+
+@pytest.mark.parametrize("op", GPU_OPS, ids=lambda op: op.__name__)
+@pytest.mark.parametrize("name", sorted(BROKEN))
+def test_kernels_report_the_same_first_broken_rule(small, op, name):
+    mask = torch.tensor(BROKEN[name])
+    assert_same_outputs(op, mask, 2, body=_kernels(small, op))
+    assert _kernels(small, op)(mask, 2).broken.any()
+
+
+@st.composite
+def any_ids(draw):
+    """``[batch, sequence]`` ids of any values and order (physical segments take any integer ids)."""
+    batch, sequence = draw(st.integers(1, 5)), draw(st.integers(1, 40))
+    values = draw(st.lists(st.integers(-3, 3), min_size=batch * sequence, max_size=batch * sequence))
+    ids = torch.tensor(values).view(batch, sequence)
+    return draw(st.sampled_from([ids, ids.to(torch.int32), ids > 0, ids.abs().to(torch.uint8)]))
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ids=any_ids())
+@example(ids=torch.tensor([[5] * 20]))  # one segment across blocks
+@example(ids=torch.tensor([[1, 1], [1, 1], [1, 1]]))  # rows of the same id stay apart
+def test_physical_kernels_match_the_decomposition(small, ids):
+    assert_same(tuple(_kernels(small, PHYSICAL)(ids)), tuple(PHYSICAL.math(ids)))
+
+
+@pytest.mark.parametrize("op", [*GPU_OPS, PHYSICAL], ids=lambda op: op.__name__)
+def test_kernels_at_their_shipped_sizes(op):
+    """1024 columns a block, 128 rows a group: rows of 2500 span three blocks, 130 rows two groups."""
+    shipped = triton_rows
+    assert (shipped.BLOCK, shipped.ROWS) == (1024, 128)
+    for mask in (random_mask(3, 2500, seed=0, documents=40), random_mask(130, 5, seed=1, documents=2)):
+        if op is PHYSICAL:
+            assert_same(tuple(_kernels(shipped, op)(mask)), tuple(op.math(mask)))
+        else:
+            assert_same_outputs(op, mask, mask.shape[1], body=_kernels(shipped, op))
+
+
+PUBLIC = {
+    "varlen_metadata": lambda mask: packfn.varlen_metadata(mask, max_documents=6),
+    "batch_metadata": lambda mask: packfn.batch_metadata(mask, max_documents=6),
+    "physical_varlen_metadata": packfn.physical_varlen_metadata,
+}
+
+
+@pytest.mark.parametrize("name", sorted(PUBLIC))
+def test_public_functions_take_the_kernels_on_a_gpu_tensor(small, name):
+    """In eager the op's kernel launches the Triton kernels where ``gpu_kernels`` says (a CUDA tensor)."""
+    mask = random_mask(3, 30, seed=2, documents=4)
+    expected = PUBLIC[name](mask)
+    launched = []
+
+    def body(name):
+        launched.append(name)
+        return getattr(small, name)
+
+    with (
+        mock.patch.object(_registry, "gpu_kernels", lambda tensor: True),
+        mock.patch.object(_registry, "_gpu_body", body),
+    ):
+        assert_same(tuple(PUBLIC[name](mask)), tuple(expected))
+    assert launched == [name]
