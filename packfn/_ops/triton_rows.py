@@ -22,6 +22,12 @@ A block finds its documents as the eager kernels do: with a running maximum
 of the ids before each column (``tl.associative_scan``), a valid id that
 differs from it starts a document and one below it breaks the order rule.
 
+The loads of the mask sit in the kernels' bodies, never in a helper: torch
+learns which arguments a user-defined kernel writes by following each
+store's address back through the ops that make it (past loads, but through
+a call to every argument of the call), and a mask counted as written is
+cloned by Inductor wherever it is read again.
+
 The aten bodies stay: they are the op on every other device, the
 decomposition ``torch.export`` records, and the reference the kernels are
 tested against. ``tests/core/test_triton_rows.py`` runs these kernels on
@@ -69,12 +75,15 @@ def _top_two(first_a, second_a, first_b, second_b):
 
 
 @triton.jit
-def _block(ids, sequence, begin, last_id, seen, BLOCK: tl.constexpr):
-    """One block of a row: its columns, ids, valid and start flags, and each column's valid tokens before it."""
-    column = begin + tl.arange(0, BLOCK)
-    inside = column < sequence
-    value = tl.load(ids + column, mask=inside, other=0).to(tl.int64)
-    left = tl.load(ids + column - 1, mask=inside & (column > 0), other=0).to(tl.int64)
+def _documents(value, left, last_id, seen):
+    """A block's valid and start flags and each column's valid tokens before it, from its ids and their left ones.
+
+    Takes values, never a pointer: torch reads which arguments a kernel writes
+    by following each store's address back through the ops that make it, and
+    through a call to every argument of the call, so a helper that loaded
+    the mask itself would have it counted as written (and cloned by Inductor
+    wherever the mask is used again).
+    """
     # The largest id before each column (0 before the first): the previous
     # valid id wherever ids never decrease.
     earlier = tl.maximum(tl.associative_scan(left, 0, _maximum), last_id)
@@ -82,7 +91,7 @@ def _block(ids, sequence, begin, last_id, seen, BLOCK: tl.constexpr):
     starts = valid & (value != earlier)
     count = valid.to(tl.int64)
     rank = seen + _running_sum(count) - count
-    return column, inside, value, earlier, valid, starts, rank
+    return earlier, valid, starts, rank
 
 
 @triton.jit
@@ -92,7 +101,10 @@ def _row_stats(ids, stats, sequence, BLOCK: tl.constexpr):
     zero = tl.full((), 0, tl.int64)
     last_id, seen, documents, start, longest, negative, decrease = zero, zero, zero, zero - 1, zero, zero, zero
     for begin in range(0, sequence, BLOCK):
-        _, _, value, earlier, valid, starts, rank = _block(ids, sequence, begin, last_id, seen, BLOCK)
+        column = begin + tl.arange(0, BLOCK)
+        value = tl.load(ids + column, mask=column < sequence, other=0).to(tl.int64)
+        left = tl.load(ids + column - 1, mask=(column < sequence) & (column > 0), other=0).to(tl.int64)
+        earlier, valid, starts, rank = _documents(value, left, last_id, seen)
         # Each valid token's document began at the latest start at or before it.
         began = tl.maximum(tl.associative_scan(tl.where(starts, rank, -1), 0, _maximum), start)
         longest = tl.maximum(longest, tl.max(tl.where(valid, rank - began + 1, 0), 0))
@@ -166,7 +178,11 @@ def _varlen_rows(
     zero = tl.full((), 0, tl.int64)
     last_id, seen, documents, start = zero, zero, zero, zero - 1
     for begin in range(0, sequence, BLOCK):
-        column, inside, value, _, valid, starts, rank = _block(ids, sequence, begin, last_id, seen, BLOCK)
+        column = begin + tl.arange(0, BLOCK)
+        inside = column < sequence
+        value = tl.load(ids + column, mask=inside, other=0).to(tl.int64)
+        left = tl.load(ids + column - 1, mask=inside & (column > 0), other=0).to(tl.int64)
+        _, valid, starts, rank = _documents(value, left, last_id, seen)
         # Valid tokens first in order, then the padding in order.
         slot = tl.where(valid, valid_before + rank, valid_total + padding_before + column - rank)
         tl.store(indices + slot, row * sequence + column, mask=inside)
@@ -224,7 +240,11 @@ def _batch_rows(
     zero = tl.full((), 0, tl.int64)
     last_id, seen, documents = zero, zero, zero
     for begin in range(0, sequence, BLOCK):
-        column, inside, value, _, valid, starts, rank = _block(ids, sequence, begin, last_id, seen, BLOCK)
+        column = begin + tl.arange(0, BLOCK)
+        inside = column < sequence
+        value = tl.load(ids + column, mask=inside, other=0).to(tl.int64)
+        left = tl.load(ids + column - 1, mask=inside & (column > 0), other=0).to(tl.int64)
+        _, valid, starts, rank = _documents(value, left, last_id, seen)
         tl.store(packed_token_indices + column, tl.where(valid, column, -1), mask=inside)
         document = documents + _running_sum(starts.to(tl.int64)) - 1
         tl.store(cu_seqlens + document, rank.to(tl.int32), mask=starts & (document <= max_documents))
@@ -244,13 +264,9 @@ def _batch_rows(
 
 
 @triton.jit
-def _segment_block(ids, sequence, begin, BLOCK: tl.constexpr):
-    """One block of a row: its columns and where a segment (a run of equal ids, or the row's first column) starts."""
-    column = begin + tl.arange(0, BLOCK)
-    inside = column < sequence
-    value = tl.load(ids + column, mask=inside, other=0).to(tl.int64)
-    left = tl.load(ids + column - 1, mask=inside & (column > 0), other=0).to(tl.int64)
-    return column, inside & ((value != left) | (column == 0))
+def _segment_starts(value, left, column):
+    """Where a segment (a run of equal ids, or the row's first column) starts; values only, as for _documents."""
+    return (value != left) | (column == 0)
 
 
 @triton.jit
@@ -260,7 +276,11 @@ def _segment_stats(ids, stats, sequence, BLOCK: tl.constexpr):
     zero = tl.full((), 0, tl.int64)
     segments, start, longest = zero, zero, zero
     for begin in range(0, sequence, BLOCK):
-        column, starts = _segment_block(ids, sequence, begin, BLOCK)
+        column = begin + tl.arange(0, BLOCK)
+        inside = column < sequence
+        value = tl.load(ids + column, mask=inside, other=0).to(tl.int64)
+        left = tl.load(ids + column - 1, mask=inside & (column > 0), other=0).to(tl.int64)
+        starts = inside & _segment_starts(value, left, column)
         began = tl.maximum(tl.associative_scan(tl.where(starts, column, -1), 0, _maximum), start)
         longest = tl.maximum(longest, tl.max(tl.where(column < sequence, column - began + 1, 0), 0))
         start = tl.max(began, 0)
@@ -286,7 +306,11 @@ def _segment_rows(
     ids += row * sequence
     seen = zero
     for begin in range(0, sequence, BLOCK):
-        column, starts = _segment_block(ids, sequence, begin, BLOCK)
+        column = begin + tl.arange(0, BLOCK)
+        inside = column < sequence
+        value = tl.load(ids + column, mask=inside, other=0).to(tl.int64)
+        left = tl.load(ids + column - 1, mask=inside & (column > 0), other=0).to(tl.int64)
+        starts = inside & _segment_starts(value, left, column)
         segment = before + seen + _running_sum(starts.to(tl.int64)) - 1
         tl.store(cu_seqlens + segment, (row * sequence + column).to(tl.int32), mask=starts)
         seen += tl.sum(starts.to(tl.int64), 0)
