@@ -283,7 +283,7 @@ def _varlen_metadata_eager(
     fake=_varlen_metadata_fake,
     outputs=VarlenOutputs,
     eager=_varlen_metadata_eager,
-    gpu="varlen_metadata",
+    gpu="varlen_kernels",
 )
 def varlen_metadata_op(
     document_ids: torch.Tensor, max_documents: int
@@ -341,7 +341,7 @@ def _batch_metadata_eager(
 
 
 @packfn_op(
-    "batch_metadata", fake=_batch_metadata_fake, outputs=BatchOutputs, eager=_batch_metadata_eager, gpu="batch_metadata"
+    "batch_metadata", fake=_batch_metadata_fake, outputs=BatchOutputs, eager=_batch_metadata_eager, gpu="batch_kernels"
 )
 def batch_metadata_op(
     document_ids: torch.Tensor, max_documents: int

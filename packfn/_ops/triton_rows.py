@@ -4,21 +4,30 @@ NOTE [Two launches on a GPU]
 Written as aten ops, a mask parse is a chain of scans, scatters, reductions
 and their memsets, and Inductor cannot fuse across a scan or a scatter:
 ``varlen_metadata`` and ``batch_metadata`` launched 16 kernels each at
-8 x 32768 on an H200, where reading the mask once takes well under a
-microsecond, so their time was launch latency. On CUDA they run these
-kernels instead, one program per row, each walking its row in blocks of
-``BLOCK`` columns with a few running values carried from block to block:
+8 x 32768 in the code Inductor writes for an H200, where reading the mask
+once takes well under a microsecond, so their time was launch latency. On
+CUDA, ``varlen_metadata``, ``batch_metadata`` and
+``physical_varlen_metadata`` run these kernels instead, one program per
+row, each walking its row in blocks of ``BLOCK`` columns with a few running
+values carried from block to block:
 
-1. ``_row_stats``: each row's valid tokens, documents, longest document and
-   rule flags (``[batch, 5]`` int64);
-2. ``_varlen_rows`` or ``_batch_rows``: the row again, now knowing the rows
-   before it from (1), writing every output once: the valid-first
-   permutation, the boundaries and lengths of each document, the padding
-   slots past the last document; program 0 writes the totals and flags.
+1. ``_row_stats`` (``_segment_stats``): each row's valid tokens, documents,
+   longest document and rule flags (``[batch, 5]`` int64; segments and the
+   longest for the physical op);
+2. ``_varlen_rows``, ``_batch_rows`` (``_segment_rows``): the row again,
+   now knowing the rows before it from (1), writing every output once: the
+   valid-first permutation, the boundaries and lengths of each document,
+   the slots past the last document; program 0 writes the totals.
 
-No output needs a memset (every slot is written by exactly one program) and
-nothing is read back to the host, so the two launches go into a CUDA graph.
-A block finds its documents as the eager kernels do: with a running maximum
+The rule flags are reduced from (1) by aten, so that Inductor fuses those
+small reductions with the public function's asserts into one kernel (three
+asserts reading flags a kernel wrote are three kernels): compiled,
+``varlen_metadata`` launches 3 kernels, ``batch_metadata`` 4 (the last its
+maximum over the rows' longest documents), ``physical_varlen_metadata`` 2,
+where SPEC section 6 allows 4 (``tests/core/test_triton_rows.py``). No
+output needs a memset (every slot is written by exactly one program) and
+nothing is read back to the host, so the launches go into a CUDA graph. A
+block finds its documents as the eager kernels do: with a running maximum
 of the ids before each column (``tl.associative_scan``), a valid id that
 differs from it starts a document and one below it breaks the order rule.
 
@@ -35,7 +44,8 @@ the CPU through Triton's interpreter (``TRITON_INTERPRET=1``) against them
 on generated masks, and ``scripts/inductor_cuda.py`` counts their launches
 in the code Inductor writes for an H200. Under ``torch.compile`` Inductor
 emits the kernels as they are (user-defined Triton kernels), with no call
-back into ``packfn::``.
+back into ``packfn::``. The kernels' speed has not been measured: no GPU was
+at hand when they were written (``scripts/gpu_check.py`` times them).
 """
 
 from __future__ import annotations
@@ -45,7 +55,7 @@ import triton
 import triton.language as tl
 from torch.library import wrap_triton
 
-__all__ = ["batch_metadata", "physical_varlen_metadata", "varlen_metadata"]
+__all__ = ["batch_kernels", "physical_varlen_kernels", "varlen_kernels"]
 
 BLOCK = 1024  # columns a program reads at a time
 ROWS = 128  # rows a program sums at a time to learn the rows before it
@@ -123,32 +133,20 @@ def _row_stats(ids, stats, sequence, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _rows_before(stats, batch, row, max_documents, ROWS: tl.constexpr):
-    """Valid tokens and documents in the rows before ``row`` and in all rows; the batch's longest document and flags."""
+def _rows_before(stats, batch, row, ROWS: tl.constexpr):
+    """Valid tokens and documents in the rows before ``row`` and in all rows, and the longest document."""
     zero = tl.full((), 0, tl.int64)
-    valid_before, documents_before, valid_total, documents_total = zero, zero, zero, zero
-    longest, negative, decrease, crowded = zero, zero, zero, zero
+    valid_before, documents_before, valid_total, documents_total, longest = zero, zero, zero, zero, zero
     for first in range(0, batch, ROWS):
         rows = first + tl.arange(0, ROWS)
-        inside = rows < batch
-        seen = tl.load(stats + rows * 5 + 0, mask=inside, other=0)
-        documents = tl.load(stats + rows * 5 + 1, mask=inside, other=0)
+        seen = tl.load(stats + rows * 5 + 0, mask=rows < batch, other=0)
+        documents = tl.load(stats + rows * 5 + 1, mask=rows < batch, other=0)
         valid_before += tl.sum(tl.where(rows < row, seen, 0), 0)
         documents_before += tl.sum(tl.where(rows < row, documents, 0), 0)
         valid_total += tl.sum(seen, 0)
         documents_total += tl.sum(documents, 0)
-        longest = tl.maximum(longest, tl.max(tl.load(stats + rows * 5 + 2, mask=inside, other=0), 0))
-        negative = tl.maximum(negative, tl.max(tl.load(stats + rows * 5 + 3, mask=inside, other=0), 0))
-        decrease = tl.maximum(decrease, tl.max(tl.load(stats + rows * 5 + 4, mask=inside, other=0), 0))
-        crowded = tl.maximum(crowded, tl.max((documents > max_documents).to(tl.int64), 0))
-    return valid_before, documents_before, valid_total, documents_total, longest, negative, decrease, crowded
-
-
-@triton.jit
-def _store_flags(broken, negative, decrease, crowded):
-    tl.store(broken + 0, negative != 0)
-    tl.store(broken + 1, decrease != 0)
-    tl.store(broken + 2, crowded != 0)
+        longest = tl.maximum(longest, tl.max(tl.load(stats + rows * 5 + 2, mask=rows < batch, other=0), 0))
+    return valid_before, documents_before, valid_total, documents_total, longest
 
 
 @triton.jit
@@ -161,7 +159,6 @@ def _varlen_rows(
     max_seqlen,
     num_tokens,
     num_documents,
-    broken,
     batch,
     sequence,
     max_documents,
@@ -169,9 +166,7 @@ def _varlen_rows(
     ROWS: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
-    valid_before, documents_before, valid_total, documents_total, longest, negative, decrease, crowded = _rows_before(
-        stats, batch, row, max_documents, ROWS
-    )
+    valid_before, documents_before, valid_total, documents_total, longest = _rows_before(stats, batch, row, ROWS)
     capacity = batch * max_documents  # document slots; cu_seqlens has one more
     padding_before = row * sequence - valid_before
     ids += row * sequence
@@ -215,7 +210,6 @@ def _varlen_rows(
         tl.store(max_seqlen, longest.to(tl.int32))
         tl.store(num_tokens, valid_total)
         tl.store(num_documents, documents_total)
-        _store_flags(broken, negative, decrease, crowded)
 
 
 @triton.jit
@@ -226,7 +220,6 @@ def _batch_rows(
     cu_seqlens,
     row_max_seqlen,
     num_documents,
-    broken,
     batch,
     sequence,
     max_documents,
@@ -258,9 +251,6 @@ def _batch_rows(
         tl.store(cu_seqlens + slot, tail, mask=(slot <= max_documents) & (slot >= documents))
     tl.store(row_max_seqlen + row, tl.load(stats + row * 5 + 2).to(tl.int32))
     tl.store(num_documents + row, documents)
-    if row == 0:
-        _, _, _, _, _, negative, decrease, crowded = _rows_before(stats, batch, row, max_documents, ROWS)
-        _store_flags(broken, negative, decrease, crowded)
 
 
 @triton.jit
@@ -331,6 +321,17 @@ def _row_ids(document_ids: torch.Tensor) -> torch.Tensor:
     return ids.contiguous()
 
 
+def _flags(stats: torch.Tensor, max_documents: int) -> torch.Tensor:
+    """The mask rules' flags (``mask_rules``) from the rows' stats.
+
+    Three reductions by aten, not flags written by a kernel: Inductor fuses
+    them with the public function's three asserts into one kernel, where
+    asserts reading a kernel's (or one reduction's) flags are a kernel each.
+    The op alone, asserts left out, launches the three reductions apart.
+    """
+    return torch.stack([stats[:, 3].any(), stats[:, 4].any(), (stats[:, 1] > max_documents).any()])
+
+
 def _stats(ids: torch.Tensor) -> torch.Tensor:
     batch, sequence = ids.shape
     stats = ids.new_empty(batch, STATS, dtype=torch.int64)
@@ -338,7 +339,7 @@ def _stats(ids: torch.Tensor) -> torch.Tensor:
     return stats
 
 
-def varlen_metadata(document_ids: torch.Tensor, max_documents: int):
+def varlen_kernels(document_ids: torch.Tensor, max_documents: int):
     """``packfn::varlen_metadata`` in two launches (NOTE [Two launches on a GPU])."""
     ids = _row_ids(document_ids)
     batch, sequence = ids.shape
@@ -351,7 +352,6 @@ def varlen_metadata(document_ids: torch.Tensor, max_documents: int):
     max_seqlen = new(1, dtype=torch.int32)
     num_tokens = new(1, dtype=torch.int64)
     num_documents = new(1, dtype=torch.int64)
-    broken = new(3, dtype=torch.bool)
     stats = _stats(ids)
     wrap_triton(_varlen_rows)[(batch,)](
         ids,
@@ -362,7 +362,6 @@ def varlen_metadata(document_ids: torch.Tensor, max_documents: int):
         max_seqlen,
         num_tokens,
         num_documents,
-        broken,
         batch,
         sequence,
         max_documents,
@@ -370,10 +369,10 @@ def varlen_metadata(document_ids: torch.Tensor, max_documents: int):
         ROWS=ROWS,
     )
     scalars = (tensor.view(()) for tensor in (max_seqlen, num_tokens, num_documents))
-    return indices, cu_seqlens, seqlens, *scalars, broken
+    return indices, cu_seqlens, seqlens, *scalars, _flags(stats, max_documents)
 
 
-def batch_metadata(document_ids: torch.Tensor, max_documents: int):
+def batch_kernels(document_ids: torch.Tensor, max_documents: int):
     """``packfn::batch_metadata`` in two launches (NOTE [Two launches on a GPU])."""
     ids = _row_ids(document_ids)
     batch, sequence = ids.shape
@@ -382,7 +381,6 @@ def batch_metadata(document_ids: torch.Tensor, max_documents: int):
     cu_seqlens = new(batch, max_documents + 1, dtype=torch.int32)
     row_max_seqlen = new(batch, dtype=torch.int32)
     num_documents = new(batch, dtype=torch.int64)
-    broken = new(3, dtype=torch.bool)
     stats = _stats(ids)
     wrap_triton(_batch_rows)[(batch,)](
         ids,
@@ -391,17 +389,16 @@ def batch_metadata(document_ids: torch.Tensor, max_documents: int):
         cu_seqlens,
         row_max_seqlen,
         num_documents,
-        broken,
         batch,
         sequence,
         max_documents,
         BLOCK=BLOCK,
         ROWS=ROWS,
     )
-    return packed_token_indices, cu_seqlens, row_max_seqlen, num_documents, broken
+    return packed_token_indices, cu_seqlens, row_max_seqlen, num_documents, _flags(stats, max_documents)
 
 
-def physical_varlen_metadata(document_ids: torch.Tensor):
+def physical_varlen_kernels(document_ids: torch.Tensor):
     """``packfn::physical_varlen_metadata`` in two launches (NOTE [Two launches on a GPU])."""
     ids = _row_ids(document_ids)
     batch, sequence = ids.shape

@@ -117,7 +117,7 @@ def _physical_varlen_metadata_eager(document_ids: torch.Tensor) -> tuple[torch.T
     fake=_physical_varlen_metadata_fake,
     outputs=PhysicalVarlenOutputs,
     eager=_physical_varlen_metadata_eager,
-    gpu="physical_varlen_metadata",
+    gpu="physical_varlen_kernels",
 )
 def physical_varlen_metadata_op(
     document_ids: torch.Tensor,

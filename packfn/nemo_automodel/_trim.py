@@ -66,11 +66,16 @@ def python_ints(values: list[torch.Tensor], bounds: list[int]) -> tuple[int, ...
     # flags (``checked_ints``) may be meaningless, never out of range. A
     # bound of 2**62 at most leaves room for ``size + 1`` in int64 (an int64
     # mask's largest id is bounded by 2**63 - 1).
-    bounds = [min(bound, 2**62) for bound in bounds]
+    capped = [min(bound, 2**62) for bound in bounds]
     stacked = torch.stack(
-        [value.reshape(()).to(torch.int64).clamp(0, bound) for value, bound in zip(values, bounds, strict=True)]
+        [value.reshape(()).to(torch.int64).clamp(0, bound) for value, bound in zip(values, capped, strict=True)]
     )
-    return tuple(_sizes(stacked, list(bounds)).shape[:-1])
+    sizes = tuple(_sizes(stacked, capped).shape[:-1])
+    for size, bound in zip(sizes, bounds, strict=True):
+        # Known from the cap when the bound is a number; a symbolic bound (dynamic shapes) needs saying,
+        # or torch 2.11 gives a slice by this size a size of its own that it cannot place.
+        torch._check(size <= bound)
+    return sizes
 
 
 def _clamped(read: list[int], bounds: list[int]) -> tuple[int, ...]:

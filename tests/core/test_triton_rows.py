@@ -18,6 +18,7 @@ from unittest import mock
 import pytest
 import torch
 
+import packfn
 from packfn._ops import _registry
 from packfn._ops import metadata as ops
 from packfn._ops import varlen as varlen_ops
@@ -52,10 +53,11 @@ class _Traced(Exception):
     pass
 
 
+# Each op's two kernels, and the rule flags (three reductions) of the mask ops.
 LAUNCHES = {
-    ops.varlen_metadata_op: ((64,), ["_row_stats_0", "_varlen_rows_1"]),
-    ops.batch_metadata_op: ((64,), ["_row_stats_0", "_batch_rows_1"]),
-    PHYSICAL: ((), ["_segment_stats_0", "_segment_rows_1"]),
+    ops.varlen_metadata_op: ((64,), ["_row_stats_0", "_varlen_rows_1"], 3),
+    ops.batch_metadata_op: ((64,), ["_row_stats_0", "_batch_rows_1"], 3),
+    PHYSICAL: ((), ["_segment_stats_0", "_segment_rows_1"], 0),
 }
 
 
@@ -75,7 +77,7 @@ def test_the_decomposition_launches_the_two_kernels(op):
 
     mask = random_mask(2, 16, seed=3)
     torch._dynamo.reset()
-    arguments, kernels = LAUNCHES[op]
+    arguments, kernels, flags = LAUNCHES[op]
     compiled = torch.compile(lambda m: tuple(op(m, *arguments)), backend=backend, fullgraph=True)
     with (
         mock.patch.object(_registry, "gpu_kernels", lambda tensor: True),
@@ -85,9 +87,44 @@ def test_the_decomposition_launches_the_two_kernels(op):
     torch._dynamo.reset()
     launched = graphs[0].count("target=torch.ops.higher_order.triton_kernel_wrapper_functional]")
     assert launched == 2 and "packfn" not in graphs[0]
-    # Inductor's code for an H200 launches those two and nothing else (no memset, no copy).
+    # Inductor's code for an H200 launches those two, and the flags' reductions: no memset, no copy.
     mask = random_mask(8, 32768, seed=4)
-    assert kernel_names(triton_code(lambda m: tuple(op(m, *arguments)), mask)) == kernels
+    names = kernel_names(triton_code(lambda m: tuple(op(m, *arguments)), mask))
+    others = [name for name in names if name not in kernels]
+    assert [name for name in names if name in kernels] == kernels and len(names) == len(set(names)) == 2 + flags
+    assert all(name.startswith("triton_per_fused_any_") for name in others), others
+
+
+# What a user calls, as Inductor writes it for an H200: the kernels, then (varlen_metadata, batch_metadata) the three
+# flags' reductions fused with their asserts, and batch_metadata's maximum over the rows. SPEC section 6 allows 4.
+PUBLIC = {
+    "varlen_metadata": (
+        lambda m: tuple(packfn.varlen_metadata(m, max_documents=64)),
+        ["_row_stats_0", "_varlen_rows_1", "triton_per_fused__assert_async_any_bitwise_not_gt_select_stack_0"],
+    ),
+    "batch_metadata": (
+        lambda m: tuple(packfn.batch_metadata(m, max_documents=64)),
+        [
+            "_row_stats_0",
+            "triton_per_fused__assert_async_any_bitwise_not_gt_select_stack_0",
+            "_batch_rows_1",
+            "triton_per_fused_max_1",
+        ],
+    ),
+    "physical_varlen_metadata": (
+        lambda m: tuple(packfn.physical_varlen_metadata(m)),
+        ["_segment_stats_0", "_segment_rows_1"],
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PUBLIC))
+def test_the_public_functions_launch_at_most_four_kernels(name):
+    function, expected = PUBLIC[name]
+    torch._dynamo.reset()
+    names = kernel_names(triton_code(function, random_mask(8, 32768, seed=5)))
+    torch._dynamo.reset()
+    assert names == expected and len(names) <= 4
 
 
 def test_the_mask_is_not_counted_as_written():
