@@ -815,6 +815,6 @@ def _thd_eager(document_ids: torch.Tensor, max_documents: int) -> tuple[torch.Te
     return _thd_from(parse_mask_eager(document_ids, max_documents), document_ids, max_documents)
 
 
-@packfn_op("thd_metadata", fake=_thd_fake, outputs=ThdOutputs, eager=_thd_eager)
+@packfn_op("thd_metadata", fake=_thd_fake, outputs=ThdOutputs, eager=_thd_eager, gpu="thd_kernels")
 def thd_metadata_op(document_ids: torch.Tensor, max_documents: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return _thd_from(parse_mask(document_ids, max_documents), document_ids, max_documents)

@@ -3,33 +3,39 @@
 NOTE [Two launches on a GPU]
 Written as aten ops, a mask parse is a chain of scans, scatters, reductions
 and their memsets, and Inductor cannot fuse across a scan or a scatter:
-``varlen_metadata`` and ``batch_metadata`` launched 16 kernels each at
-8 x 32768 in the code Inductor writes for an H200, where reading the mask
-once takes well under a microsecond, so their time was launch latency. On
-CUDA, ``varlen_metadata``, ``batch_metadata`` and
-``physical_varlen_metadata`` run these kernels instead, one program per
-row, each walking its row in blocks of ``BLOCK`` columns with a few running
-values carried from block to block:
+``varlen_metadata`` and ``batch_metadata`` launched 16 kernels each and
+``thd_metadata`` 25 at 8 x 32768 in the code Inductor writes for an H200,
+where reading the mask once takes well under a microsecond, so their time
+was launch latency. On CUDA, ``varlen_metadata``, ``batch_metadata``,
+``thd_metadata`` and ``physical_varlen_metadata`` run these kernels
+instead, one program per row, each walking its row in blocks of ``BLOCK``
+columns with a few running values carried from block to block:
 
 1. ``_row_stats`` (``_segment_stats``): each row's valid tokens, documents,
-   longest document and rule flags (``[batch, 5]`` int64; segments and the
-   longest for the physical op);
-2. ``_varlen_rows``, ``_batch_rows`` (``_segment_rows``): the row again,
-   now knowing the rows before it from (1), writing every output once: the
-   valid-first permutation, the boundaries and lengths of each document,
-   the slots past the last document; program 0 writes the totals.
+   longest document and rule flags (``[batch, STATS]`` int64; segments and
+   the longest for the physical op);
+2. ``_varlen_rows``, ``_batch_rows``, ``_thd_rows`` (``_segment_rows``):
+   the row again, now knowing the rows before it from (1), writing every
+   output once: the valid-first permutation, the boundaries and lengths of
+   each document, the slots past the last document; program 0 writes the
+   totals.
 
 The rule flags are reduced from (1) by aten, so that Inductor fuses those
 small reductions with the public function's asserts into one kernel (three
 asserts reading flags a kernel wrote are three kernels): compiled,
 ``varlen_metadata`` launches 3 kernels, ``batch_metadata`` 4 (the last its
 maximum over the rows' longest documents), ``physical_varlen_metadata`` 2,
-where SPEC section 6 allows 4 (``tests/core/test_triton_rows.py``). No
-output needs a memset (every slot is written by exactly one program) and
-nothing is read back to the host, so the launches go into a CUDA graph. A
-block finds its documents as the eager kernels do: with a running maximum
-of the ids before each column (``tl.associative_scan``), a valid id that
-differs from it starts a document and one below it breaks the order rule.
+where SPEC section 6 allows 4. Inductor fuses no more than four such
+reductions with their asserts (a stack of five flags is written by a
+kernel of its own and each assert reads it in another), so
+``thd_metadata``'s five rules are one reduction over the rows and five
+asserts: 8 launches (``tests/core/test_triton_rows.py`` holds every
+count). No output needs a memset (every slot is written by exactly one
+program) and nothing is read back to the host, so the launches go into a
+CUDA graph. A block finds its documents as the eager kernels do: with a
+running maximum of the ids before each column (``tl.associative_scan``), a
+valid id that differs from it starts a document and one below it breaks
+the order rule.
 
 The loads of the mask sit in the kernels' bodies, never in a helper: torch
 learns which arguments a user-defined kernel writes by following each
@@ -55,11 +61,11 @@ import triton
 import triton.language as tl
 from torch.library import wrap_triton
 
-__all__ = ["batch_kernels", "physical_varlen_kernels", "varlen_kernels"]
+__all__ = ["batch_kernels", "physical_varlen_kernels", "thd_kernels", "varlen_kernels"]
 
 BLOCK = 1024  # columns a program reads at a time
 ROWS = 128  # rows a program sums at a time to learn the rows before it
-STATS = 5  # valid tokens, documents, longest document, a negative id, a decrease
+STATS = 6  # valid tokens, documents, longest document, a negative id, a decrease, a gap in a document
 
 
 @triton.jit
@@ -109,7 +115,16 @@ def _row_stats(ids, stats, sequence, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     ids += row * sequence
     zero = tl.full((), 0, tl.int64)
-    last_id, seen, documents, start, longest, negative, decrease = zero, zero, zero, zero - 1, zero, zero, zero
+    last_id, seen, documents, start, longest, negative, decrease, gap = (
+        zero,
+        zero,
+        zero,
+        zero - 1,
+        zero,
+        zero,
+        zero,
+        zero,
+    )
     for begin in range(0, sequence, BLOCK):
         column = begin + tl.arange(0, BLOCK)
         value = tl.load(ids + column, mask=column < sequence, other=0).to(tl.int64)
@@ -120,16 +135,19 @@ def _row_stats(ids, stats, sequence, BLOCK: tl.constexpr):
         longest = tl.maximum(longest, tl.max(tl.where(valid, rank - began + 1, 0), 0))
         negative = tl.maximum(negative, tl.max((value < 0).to(tl.int64), 0))
         decrease = tl.maximum(decrease, tl.max((valid & (value < earlier)).to(tl.int64), 0))
+        # A document's token after padding (THD's rule): valid, no start, its left neighbour padding.
+        gap = tl.maximum(gap, tl.max((valid & ~starts & (left == 0) & (column > 0)).to(tl.int64), 0))
         start = tl.max(began, 0)
         last_id = tl.maximum(last_id, tl.max(value, 0))
         seen += tl.sum(valid.to(tl.int64), 0)
         documents += tl.sum(starts.to(tl.int64), 0)
-    stats += row * 5
+    stats += row * 6  # STATS
     tl.store(stats + 0, seen)
     tl.store(stats + 1, documents)
     tl.store(stats + 2, longest)
     tl.store(stats + 3, negative)
     tl.store(stats + 4, decrease)
+    tl.store(stats + 5, gap)
 
 
 @triton.jit
@@ -139,13 +157,13 @@ def _rows_before(stats, batch, row, ROWS: tl.constexpr):
     valid_before, documents_before, valid_total, documents_total, longest = zero, zero, zero, zero, zero
     for first in range(0, batch, ROWS):
         rows = first + tl.arange(0, ROWS)
-        seen = tl.load(stats + rows * 5 + 0, mask=rows < batch, other=0)
-        documents = tl.load(stats + rows * 5 + 1, mask=rows < batch, other=0)
+        seen = tl.load(stats + rows * 6 + 0, mask=rows < batch, other=0)
+        documents = tl.load(stats + rows * 6 + 1, mask=rows < batch, other=0)
         valid_before += tl.sum(tl.where(rows < row, seen, 0), 0)
         documents_before += tl.sum(tl.where(rows < row, documents, 0), 0)
         valid_total += tl.sum(seen, 0)
         documents_total += tl.sum(documents, 0)
-        longest = tl.maximum(longest, tl.max(tl.load(stats + rows * 5 + 2, mask=rows < batch, other=0), 0))
+        longest = tl.maximum(longest, tl.max(tl.load(stats + rows * 6 + 2, mask=rows < batch, other=0), 0))
     return valid_before, documents_before, valid_total, documents_total, longest
 
 
@@ -249,8 +267,54 @@ def _batch_rows(
         slot = offset + tl.arange(0, BLOCK)
         tail = tl.where(slot == documents, seen, -1).to(tl.int32)
         tl.store(cu_seqlens + slot, tail, mask=(slot <= max_documents) & (slot >= documents))
-    tl.store(row_max_seqlen + row, tl.load(stats + row * 5 + 2).to(tl.int32))
+    tl.store(row_max_seqlen + row, tl.load(stats + row * 6 + 2).to(tl.int32))
     tl.store(num_documents + row, documents)
+
+
+@triton.jit
+def _thd_rows(
+    ids,
+    stats,
+    cu_seqlens,
+    cu_seqlens_padded,
+    batch,
+    sequence,
+    max_documents,
+    BLOCK: tl.constexpr,
+    ROWS: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    valid_before, documents_before, valid_total, documents_total, _longest = _rows_before(stats, batch, row, ROWS)
+    capacity = batch * max_documents  # document slots; each output has one more
+    tokens = batch * sequence
+    ids += row * sequence
+    zero = tl.full((), 0, tl.int64)
+    last_id, seen, documents = zero, zero, zero
+    for begin in range(0, sequence, BLOCK):
+        column = begin + tl.arange(0, BLOCK)
+        inside = column < sequence
+        value = tl.load(ids + column, mask=inside, other=0).to(tl.int64)
+        left = tl.load(ids + column - 1, mask=inside & (column > 0), other=0).to(tl.int64)
+        _, valid, starts, rank = _documents(value, left, last_id, seen)
+        document = documents_before + documents + _running_sum(starts.to(tl.int64)) - 1
+        keep = starts & (document <= capacity)
+        tl.store(cu_seqlens + document, (valid_before + rank).to(tl.int32), mask=keep)
+        # Each document's first token in the flat batch; the first span starts at 0 whatever the mask.
+        tl.store(
+            cu_seqlens_padded + document, tl.where(document == 0, 0, row * sequence + column).to(tl.int32), mask=keep
+        )
+        last_id = tl.maximum(last_id, tl.max(value, 0))
+        seen += tl.sum(valid.to(tl.int64), 0)
+        documents += tl.sum(starts.to(tl.int64), 0)
+    # Slots past the batch's documents: the token counts (slot 0 of the spans stays 0). Row r fills r*D to r*D+D-1.
+    for offset in range(0, max_documents, BLOCK):
+        slot = row * max_documents + offset + tl.arange(0, BLOCK)
+        spare = (offset + tl.arange(0, BLOCK) < max_documents) & (slot >= documents_total)
+        tl.store(cu_seqlens + slot, valid_total.to(tl.int32), mask=spare)
+        tl.store(cu_seqlens_padded + slot, tl.where(slot == 0, 0, tokens).to(tl.int32), mask=spare)
+    last = (row == batch - 1) & (capacity >= documents_total)
+    tl.store(cu_seqlens + capacity, valid_total.to(tl.int32), mask=last)
+    tl.store(cu_seqlens_padded + capacity, tokens.to(tl.int32), mask=last)
 
 
 @triton.jit
@@ -412,3 +476,21 @@ def physical_varlen_kernels(document_ids: torch.Tensor):
         ids, stats, cu_seqlens, max_seqlen, num_segments, batch, sequence, BLOCK=BLOCK, ROWS=ROWS
     )
     return cu_seqlens, max_seqlen.view(()), num_segments.view(())
+
+
+def thd_kernels(document_ids: torch.Tensor, max_documents: int):
+    """``packfn::thd_metadata`` in two launches (NOTE [Two launches on a GPU])."""
+    ids = _row_ids(document_ids)
+    batch, sequence = ids.shape
+    capacity = batch * max_documents
+    cu_seqlens = ids.new_empty(capacity + 1, dtype=torch.int32)
+    cu_seqlens_padded = ids.new_empty(capacity + 1, dtype=torch.int32)
+    stats = _stats(ids)
+    wrap_triton(_thd_rows)[(batch,)](
+        ids, stats, cu_seqlens, cu_seqlens_padded, batch, sequence, max_documents, BLOCK=BLOCK, ROWS=ROWS
+    )
+    # Each rule per row, then one reduction over the rows: Inductor fuses a stack of up to four flags' reductions
+    # with their asserts, but no more; five asserts reading one reduction are five kernels (NOTE above).
+    rows = [stats[:, 3] != 0, stats[:, 4] != 0, stats[:, 1] > max_documents, stats[:, 5] != 0]
+    leading = (ids[0, 0] == 0) & (stats[:, 0] > 0)  # the first row begins with padding, and a document follows
+    return cu_seqlens, cu_seqlens_padded, torch.stack([*rows, leading], 1).any(0)

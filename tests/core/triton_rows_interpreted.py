@@ -24,21 +24,31 @@ from triton.runtime import interpreter
 
 import packfn
 from packfn._ops import _registry, triton_rows
+from packfn._ops import formats as format_ops
 from packfn._ops import metadata as ops
 from packfn._ops import varlen as varlen_ops
 
 from tests.assertions import assert_same, assert_same_outputs
 from tests.core.test_eager_kernels import BROKEN
 from tests.strategies import packing_masks, random_mask
+from tests.strategies_formats import PackedRows, packed_rows
 
 assert os.environ.get("TRITON_INTERPRET") == "1", "run by tests/core/test_triton_rows.py, with the interpreter on"
 
-GPU_OPS = [ops.varlen_metadata_op, ops.batch_metadata_op]
+THD = format_ops.thd_metadata_op
+GPU_OPS = [ops.varlen_metadata_op, ops.batch_metadata_op, THD]
 PHYSICAL = varlen_ops.physical_varlen_metadata_op
 OUTPUTS = {
     ops.varlen_metadata_op: ops.VarlenOutputs,
     ops.batch_metadata_op: ops.BatchOutputs,
+    THD: format_ops.ThdOutputs,
     PHYSICAL: varlen_ops.PhysicalVarlenOutputs,
+}
+# THD's own rules, after the mask rules: padding inside a document, a first row that begins with padding.
+THD_BROKEN = {
+    "padding inside a document": [[1, 0, 1, 2]],
+    "padding inside a later row's document": [[1, 1, 0, 0], [2, 0, 2, 0]],
+    "first row begins with padding": [[0, 1, 1, 2]],
 }
 
 
@@ -104,6 +114,23 @@ def test_kernels_report_the_same_first_broken_rule(small, op, name):
     assert _kernels(small, op)(mask, 2).broken.any()
 
 
+@pytest.mark.parametrize("name", sorted(THD_BROKEN))
+def test_thd_kernels_report_the_same_first_broken_rule(small, name):
+    mask = torch.tensor(THD_BROKEN[name])
+    for ids in (mask, mask > 0, mask.to(torch.uint8)):
+        assert_same_outputs(THD, ids, 2, body=_kernels(small, THD))
+        assert _kernels(small, THD)(ids, 2).broken.any()
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(rows=packed_rows(max_batch=5, max_sequence=40))
+def test_thd_kernels_match_on_what_a_packer_emits(small, rows: PackedRows):
+    """Contiguous documents from column 0: no rule breaks, so every boundary is compared."""
+    for capacity in (rows.max_documents, rows.sequence):
+        assert not THD.math(rows.document_ids, capacity).broken.any()
+        assert_same_outputs(THD, rows.document_ids, capacity, body=_kernels(small, THD))
+
+
 @st.composite
 def any_ids(draw):
     """``[batch, sequence]`` ids of any values and order (physical segments take any integer ids)."""
@@ -137,13 +164,14 @@ PUBLIC = {
     "varlen_metadata": lambda mask: packfn.varlen_metadata(mask, max_documents=6),
     "batch_metadata": lambda mask: packfn.batch_metadata(mask, max_documents=6),
     "physical_varlen_metadata": packfn.physical_varlen_metadata,
+    "thd_metadata": lambda mask: packfn.thd_metadata(mask, max_documents=6),
 }
 
 
 @pytest.mark.parametrize("name", sorted(PUBLIC))
 def test_public_functions_take_the_kernels_on_a_gpu_tensor(small, name):
     """In eager the op's kernel launches the Triton kernels where ``gpu_kernels`` says (a CUDA tensor)."""
-    mask = random_mask(3, 30, seed=2, documents=4)
+    mask = PackedRows(30, ((5, 7, 3), (30,), (4, 4, 1, 1))).document_ids  # as a packer emits it: THD's rules hold
     expected = PUBLIC[name](mask)
     launched = []
 
