@@ -425,7 +425,7 @@ class FlattenOutputs(NamedTuple):
     broken: torch.Tensor  # bool [4]: FLATTEN_RULES
 
 
-@packfn_op("flatten_metadata", fake=_flatten_metadata_fake, outputs=FlattenOutputs)
+@packfn_op("flatten_metadata", fake=_flatten_metadata_fake, outputs=FlattenOutputs, gpu="flatten_kernels")
 def flatten_metadata_op(
     packed_token_indices: torch.Tensor, cu_seqlens: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -1,41 +1,42 @@
-"""Triton kernels for the mask-parsing metadata ops on CUDA: two launches each.
+"""Triton kernels for the metadata ops that parse a mask (or batch-major metadata) on CUDA: two launches each.
 
 NOTE [Two launches on a GPU]
 Written as aten ops, a mask parse is a chain of scans, scatters, reductions
 and their memsets, and Inductor cannot fuse across a scan or a scatter:
-``varlen_metadata`` and ``batch_metadata`` launched 16 kernels each and
-``thd_metadata`` 25 at 8 x 32768 in the code Inductor writes for an H200,
-where reading the mask once takes well under a microsecond, so their time
-was launch latency. On CUDA, ``varlen_metadata``, ``batch_metadata``,
-``thd_metadata`` and ``physical_varlen_metadata`` run these kernels
-instead, one program per row, each walking its row in blocks of ``BLOCK``
-columns with a few running values carried from block to block:
+``varlen_metadata`` and ``batch_metadata`` launched 16 kernels each,
+``flatten_metadata`` 13 and ``thd_metadata`` 25 at 8 x 32768 in the code
+Inductor writes for an H200, where reading the mask once takes well under
+a microsecond, so their time was launch latency. On CUDA, these four and
+``physical_varlen_metadata`` run these kernels instead, one program per
+row, each walking its row in blocks of ``BLOCK`` columns with a few
+running values carried from block to block:
 
-1. ``_row_stats`` (``_segment_stats``): each row's valid tokens, documents,
-   longest document and rule flags (``[batch, STATS]`` int64; segments and
-   the longest for the physical op);
-2. ``_varlen_rows``, ``_batch_rows``, ``_thd_rows`` (``_segment_rows``):
-   the row again, now knowing the rows before it from (1), writing every
-   output once: the valid-first permutation, the boundaries and lengths of
-   each document, the slots past the last document; program 0 writes the
-   totals.
+1. ``_row_stats`` (``_segment_stats``, ``_flatten_stats``): each row's
+   valid tokens, documents, longest document and rule flags (``[batch,
+   STATS]`` int64; segments and the longest for the physical op; for
+   flatten, a row of batch-major metadata and its last boundary);
+2. ``_varlen_rows``, ``_batch_rows``, ``_thd_rows`` (``_segment_rows``,
+   ``_flatten_rows``): the row again, now knowing the rows before it from
+   (1), writing every output once: the valid-first permutation, the
+   boundaries and lengths of each document, the slots past the last
+   document; program 0 writes the totals.
 
 The rule flags are reduced from (1) by aten, so that Inductor fuses those
 small reductions with the public function's asserts into one kernel (three
 asserts reading flags a kernel wrote are three kernels): compiled,
-``varlen_metadata`` launches 3 kernels, ``batch_metadata`` 4 (the last its
-maximum over the rows' longest documents), ``physical_varlen_metadata`` 2,
-where SPEC section 6 allows 4. Inductor fuses no more than four such
-reductions with their asserts (a stack of five flags is written by a
-kernel of its own and each assert reads it in another), so
-``thd_metadata``'s five rules are one reduction over the rows and five
-asserts: 8 launches (``tests/core/test_triton_rows.py`` holds every
-count). No output needs a memset (every slot is written by exactly one
-program) and nothing is read back to the host, so the launches go into a
-CUDA graph. A block finds its documents as the eager kernels do: with a
+``varlen_metadata`` launches 3 kernels, ``batch_metadata`` and
+``flatten_metadata`` 4 (the last their maximum over the documents'
+lengths), ``physical_varlen_metadata`` 2, where SPEC section 6 allows 4.
+Inductor fuses no more than four such reductions with their asserts (a
+stack of five flags is written by a kernel of its own and each assert reads
+it in another), so ``thd_metadata``'s five rules are one reduction over the
+rows and five asserts: 8 launches (``tests/core/test_triton_rows.py`` holds
+every count). No output needs a memset (every slot is written by exactly
+one program) and nothing is read back to the host, so the launches go into
+a CUDA graph. A block finds its documents as the eager kernels do: with a
 running maximum of the ids before each column (``tl.associative_scan``), a
-valid id that differs from it starts a document and one below it breaks
-the order rule.
+valid id that differs from it starts a document and one below it breaks the
+order rule.
 
 The loads of the mask sit in the kernels' bodies, never in a helper: torch
 learns which arguments a user-defined kernel writes by following each
@@ -61,11 +62,12 @@ import triton
 import triton.language as tl
 from torch.library import wrap_triton
 
-__all__ = ["batch_kernels", "physical_varlen_kernels", "thd_kernels", "varlen_kernels"]
+__all__ = ["batch_kernels", "flatten_kernels", "physical_varlen_kernels", "thd_kernels", "varlen_kernels"]
 
 BLOCK = 1024  # columns a program reads at a time
 ROWS = 128  # rows a program sums at a time to learn the rows before it
 STATS = 6  # valid tokens, documents, longest document, a negative id, a decrease, a gap in a document
+FLATTEN_STATS = 7  # valid tokens, documents, last boundary, the four FLATTEN_RULES
 
 
 @triton.jit
@@ -379,6 +381,110 @@ def _segment_rows(
         tl.store(num_segments, total)
 
 
+@triton.jit
+def _column_before(stats, column, batch, row, WIDTH: tl.constexpr, ROWS: tl.constexpr):
+    """The sum of one column of ``[batch, WIDTH]`` stats over the rows before ``row``, and over all rows."""
+    zero = tl.full((), 0, tl.int64)
+    before, total = zero, zero
+    for first in range(0, batch, ROWS):
+        rows = first + tl.arange(0, ROWS)
+        values = tl.load(stats + rows * WIDTH + column, mask=rows < batch, other=0)
+        before += tl.sum(tl.where(rows < row, values, 0), 0)
+        total += tl.sum(values, 0)
+    return before, total
+
+
+@triton.jit
+def _flatten_stats(tokens, bounds, stats, sequence, slots, BLOCK: tl.constexpr):
+    """Per row of batch-major metadata: valid tokens, documents, the last boundary, and the four FLATTEN_RULES."""
+    row = tl.program_id(0).to(tl.int64)
+    tokens += row * sequence
+    bounds += row * slots
+    zero = tl.full((), 0, tl.int64)
+    valid_tokens, count, gaps, decrease, after_gap = zero, zero, zero, zero, zero
+    for begin in range(0, sequence, BLOCK):
+        column = begin + tl.arange(0, BLOCK)
+        inside = column < sequence
+        value = tl.load(tokens + column, mask=inside, other=0).to(tl.int64)
+        valid_tokens += tl.sum((inside & (value >= 0)).to(tl.int64), 0)
+    for begin in range(0, slots, BLOCK):
+        slot = begin + tl.arange(0, BLOCK)
+        inside = slot < slots
+        bound = tl.load(bounds + slot, mask=inside, other=0).to(tl.int64)
+        left = tl.load(bounds + slot - 1, mask=inside & (slot > 0), other=-1).to(tl.int64)
+        valid = inside & (bound >= 0)
+        missing = (inside & (bound < 0)).to(tl.int64)
+        # A boundary after a -1 entry: the -1 entries up to it (it is none of them) outnumber none.
+        after_gap = tl.maximum(after_gap, tl.max((valid & (gaps + _running_sum(missing) > 0)).to(tl.int64), 0))
+        decrease = tl.maximum(decrease, tl.max((valid & (left >= 0) & (bound < left)).to(tl.int64), 0))
+        gaps += tl.sum(missing, 0)
+        count += tl.sum(valid.to(tl.int64), 0)
+    first = tl.load(bounds).to(tl.int64)
+    documents = tl.maximum(count - 1, 0)
+    last = tl.load(bounds + documents).to(tl.int64)  # as the aten body reads it: at the count of boundaries, less one
+    stats += row * 7  # FLATTEN_STATS
+    tl.store(stats + 0, valid_tokens)
+    tl.store(stats + 1, documents)
+    tl.store(stats + 2, last)
+    tl.store(stats + 3, (first != 0).to(tl.int64))
+    tl.store(stats + 4, decrease)
+    tl.store(stats + 5, after_gap)
+    tl.store(stats + 6, (last != valid_tokens).to(tl.int64))
+
+
+@triton.jit
+def _flatten_rows(
+    tokens,
+    bounds,
+    stats,
+    indices,
+    cu_seqlens,
+    num_tokens,
+    num_documents,
+    batch,
+    sequence,
+    slots,
+    BLOCK: tl.constexpr,
+    ROWS: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    valid_before, valid_total = _column_before(stats, 0, batch, row, 7, ROWS)  # FLATTEN_STATS
+    documents_before, documents_total = _column_before(stats, 1, batch, row, 7, ROWS)
+    tokens_before, tokens_total = _column_before(stats, 2, batch, row, 7, ROWS)
+    documents = tl.load(stats + row * 7 + 1)
+    padding_before = row * sequence - valid_before
+    tokens += row * sequence
+    bounds += row * slots
+    seen = tl.full((), 0, tl.int64)
+    # The valid tokens' flat positions first, in order, then the padding positions in order.
+    for begin in range(0, sequence, BLOCK):
+        column = begin + tl.arange(0, BLOCK)
+        inside = column < sequence
+        value = tl.load(tokens + column, mask=inside, other=0).to(tl.int64)
+        valid = inside & (value >= 0)
+        count = valid.to(tl.int64)
+        rank = seen + _running_sum(count) - count
+        slot = tl.where(valid, valid_before + rank, valid_total + padding_before + column - rank)
+        tl.store(indices + slot, row * sequence + tl.where(valid, value, column), mask=inside)
+        seen += tl.sum(count, 0)
+    # Document j of the row ends at slot documents_before + j of the flat boundaries, offset by the tokens before.
+    element = cu_seqlens.dtype.element_ty
+    for begin in range(0, slots, BLOCK):
+        local = begin + tl.arange(0, BLOCK)
+        ours = (local >= 1) & (local <= documents)
+        bound = tl.load(bounds + local, mask=ours, other=0).to(tl.int64)
+        tl.store(cu_seqlens + documents_before + local, (tokens_before + bound).to(element), mask=ours)
+    # Slots past the batch's documents hold the token count. Row r fills slots r*D+1 to r*D+D; program 0 slot 0.
+    for offset in range(0, slots - 1, BLOCK):
+        slot = row * (slots - 1) + 1 + offset + tl.arange(0, BLOCK)
+        spare = (offset + tl.arange(0, BLOCK) < slots - 1) & (slot > documents_total)
+        tl.store(cu_seqlens + slot, (tl.full((BLOCK,), 0, tl.int64) + tokens_total).to(element), mask=spare)
+    if row == 0:
+        tl.store(cu_seqlens, tl.full((), 0, tl.int64).to(element))
+        tl.store(num_tokens, tokens_total)
+        tl.store(num_documents, documents_total)
+
+
 def _row_ids(document_ids: torch.Tensor) -> torch.Tensor:
     """The mask as the kernels read it: contiguous, bool as uint8."""
     ids = document_ids.view(torch.uint8) if document_ids.dtype == torch.bool else document_ids
@@ -494,3 +600,22 @@ def thd_kernels(document_ids: torch.Tensor, max_documents: int):
     rows = [stats[:, 3] != 0, stats[:, 4] != 0, stats[:, 1] > max_documents, stats[:, 5] != 0]
     leading = (ids[0, 0] == 0) & (stats[:, 0] > 0)  # the first row begins with padding, and a document follows
     return cu_seqlens, cu_seqlens_padded, torch.stack([*rows, leading], 1).any(0)
+
+
+def flatten_kernels(packed_token_indices: torch.Tensor, cu_seqlens: torch.Tensor):
+    """``packfn::flatten_metadata`` in two launches (NOTE [Two launches on a GPU])."""
+    tokens, bounds = packed_token_indices.contiguous(), cu_seqlens.contiguous()
+    batch, sequence = tokens.shape
+    slots = bounds.shape[1]
+    new = tokens.new_empty
+    indices = new(batch * sequence, dtype=torch.int64)
+    flat = bounds.new_empty(batch * (slots - 1) + 1)
+    num_tokens = new(1, dtype=torch.int64)
+    num_documents = new(1, dtype=torch.int64)
+    stats = new(batch, FLATTEN_STATS, dtype=torch.int64)
+    wrap_triton(_flatten_stats)[(batch,)](tokens, bounds, stats, sequence, slots, BLOCK=BLOCK)
+    wrap_triton(_flatten_rows)[(batch,)](
+        tokens, bounds, stats, indices, flat, num_tokens, num_documents, batch, sequence, slots, BLOCK=BLOCK, ROWS=ROWS
+    )
+    broken = torch.stack([stats[:, column].any() for column in range(3, 7)])  # four: fused with their asserts
+    return indices, flat, num_tokens.view(()), num_documents.view(()), broken

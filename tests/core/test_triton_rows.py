@@ -57,11 +57,20 @@ class _Traced(Exception):
 
 
 # Each op's two kernels, and its rule flags' reductions (three for the mask ops, one reduction over rows for THD).
+def _batch_major(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """flatten_metadata's inputs, from the aten body (a CPU tensor's)."""
+    parsed = ops.batch_metadata_op.math(mask, 64)
+    return parsed.packed_token_indices, parsed.cu_seqlens
+
+
+# Each op's arguments from a mask, its two kernels, and its rule flags' reductions (three for the mask ops, four for
+# flatten's, one reduction over the rows for THD's five).
 LAUNCHES = {
-    ops.varlen_metadata_op: ((64,), ["_row_stats_0", "_varlen_rows_1"], 3),
-    ops.batch_metadata_op: ((64,), ["_row_stats_0", "_batch_rows_1"], 3),
-    format_ops.thd_metadata_op: ((64,), ["_row_stats_0", "_thd_rows_1"], 1),
-    PHYSICAL: ((), ["_segment_stats_0", "_segment_rows_1"], 0),
+    ops.varlen_metadata_op: (lambda mask: (mask, 64), ["_row_stats_0", "_varlen_rows_1"], 3),
+    ops.batch_metadata_op: (lambda mask: (mask, 64), ["_row_stats_0", "_batch_rows_1"], 3),
+    ops.flatten_metadata_op: (_batch_major, ["_flatten_stats_0", "_flatten_rows_1"], 4),
+    format_ops.thd_metadata_op: (lambda mask: (mask, 64), ["_row_stats_0", "_thd_rows_1"], 1),
+    PHYSICAL: (lambda mask: (mask,), ["_segment_stats_0", "_segment_rows_1"], 0),
 }
 
 
@@ -79,21 +88,19 @@ def test_the_decomposition_launches_the_two_kernels(op):
 
         return aot_module_simplified(gm, example_inputs, fw_compiler=record)
 
-    mask = random_mask(2, 16, seed=3)
-    torch._dynamo.reset()
     arguments, kernels, flags = LAUNCHES[op]
-    compiled = torch.compile(lambda m: tuple(op(m, *arguments)), backend=backend, fullgraph=True)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda *args: tuple(op(*args)), backend=backend, fullgraph=True)
     with (
         mock.patch.object(_registry, "gpu_kernels", lambda tensor: True),
         pytest.raises(torch._dynamo.exc.BackendCompilerFailed, match="_Traced"),
     ):
-        compiled(mask)  # traced, never run: the kernels cannot run on the CPU outside the interpreter
+        compiled(*arguments(random_mask(2, 16, seed=3)))  # traced, never run: no GPU, and no interpreter here
     torch._dynamo.reset()
     launched = graphs[0].count("target=torch.ops.higher_order.triton_kernel_wrapper_functional]")
     assert launched == 2 and "packfn" not in graphs[0]
     # Inductor's code for an H200 launches those two, and the flags' reductions: no memset, no copy.
-    mask = random_mask(8, 32768, seed=4)
-    names = kernel_names(triton_code(lambda m: tuple(op(m, *arguments)), mask))
+    names = kernel_names(triton_code(lambda *args: tuple(op(*args)), *arguments(random_mask(8, 32768, seed=4))))
     others = [name for name in names if name not in kernels]
     assert [name for name in names if name in kernels] == kernels and len(names) == len(set(names)) == 2 + flags
     assert all(name.startswith("triton_per_fused_any_") for name in others), others
@@ -120,6 +127,15 @@ PUBLIC = {
     "physical_varlen_metadata": (
         lambda m: tuple(packfn.physical_varlen_metadata(m)),
         ["_segment_stats_0", "_segment_rows_1"],
+    ),
+    "flatten_metadata": (
+        lambda indices, cu_seqlens: tuple(packfn.flatten_metadata(indices, cu_seqlens)),
+        [
+            "_flatten_stats_0",
+            "_flatten_rows_1",
+            "triton_per_fused__assert_async_any_bitwise_not_select_stack_0",
+            "triton_per_fused_max_slice_sub_1",
+        ],
     ),
     "thd_metadata": (
         lambda m: tuple(packfn.thd_metadata(m, max_documents=64)),
@@ -153,7 +169,9 @@ def test_the_public_functions_launch_their_kernels(name):
     logger.addHandler(records)
     try:
         torch._dynamo.reset()
-        names = kernel_names(triton_code(function, PackedRows(32768, ((300,) * 100,) * 8).document_ids))
+        mask = PackedRows(32768, ((300,) * 100,) * 8).document_ids
+        arguments = _batch_major(mask) if name == "flatten_metadata" else (mask,)
+        names = kernel_names(triton_code(function, *arguments))
         torch._dynamo.reset()
     finally:
         logger.removeHandler(records)

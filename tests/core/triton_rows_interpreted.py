@@ -17,7 +17,7 @@ from unittest import mock
 
 import pytest
 import torch
-from hypothesis import HealthCheck, example, given, settings
+from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 from torch.library import wrap_triton
 from triton.runtime import interpreter
@@ -42,6 +42,7 @@ OUTPUTS = {
     ops.varlen_metadata_op: ops.VarlenOutputs,
     ops.batch_metadata_op: ops.BatchOutputs,
     THD: format_ops.ThdOutputs,
+    ops.flatten_metadata_op: ops.FlattenOutputs,
     PHYSICAL: varlen_ops.PhysicalVarlenOutputs,
 }
 # THD's own rules, after the mask rules: padding inside a document, a first row that begins with padding.
@@ -131,6 +132,42 @@ def test_thd_kernels_match_on_what_a_packer_emits(small, rows: PackedRows):
         assert_same_outputs(THD, rows.document_ids, capacity, body=_kernels(small, THD))
 
 
+FLATTEN = ops.flatten_metadata_op
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    mask=packing_masks(max_sequence=40, max_batch=5),
+    capacity=st.sampled_from([1, 2, 5, 300]),
+    dtypes=st.sampled_from([(torch.int64, torch.int32), (torch.int32, torch.int64)]),
+)
+def test_flatten_kernels_match_on_batch_metadata(small, mask, capacity, dtypes):
+    """What batch_metadata (and split_batch_metadata) hand flatten_metadata: every output is compared."""
+    parsed = ops.batch_metadata_op.math(mask, capacity)
+    assume(not parsed.broken.any())
+    indices, bounds = parsed.packed_token_indices.to(dtypes[0]), parsed.cu_seqlens.to(dtypes[1])
+    assert not FLATTEN.math(indices, bounds).broken.any()
+    assert_same_outputs(FLATTEN, indices, bounds, body=_kernels(small, FLATTEN))
+
+
+@st.composite
+def any_metadata(draw):
+    """Batch-major metadata of any values: most of it breaks a rule, in every order of rules."""
+    batch, sequence, slots = draw(st.integers(1, 4)), draw(st.integers(1, 20)), draw(st.integers(2, 12))
+    indices = draw(st.lists(st.integers(-2, sequence), min_size=batch * sequence, max_size=batch * sequence))
+    bounds = draw(st.lists(st.integers(-1, sequence + 1), min_size=batch * slots, max_size=batch * slots))
+    return torch.tensor(indices).view(batch, sequence), torch.tensor(bounds).view(batch, slots)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(metadata=any_metadata())
+@example(metadata=(torch.tensor([[0, 1, 2, -1]]), torch.tensor([[0, -1, 3]])))  # a boundary after -1
+@example(metadata=(torch.tensor([[0, 1, 2, -1]]), torch.tensor([[0, 2, 1, 3]])))  # not monotonic
+@example(metadata=(torch.tensor([[0, 1, -1, -1]] * 3), torch.tensor([[0, 1, 2, -1, -1, -1, -1, -1, -1, -1]] * 3)))
+def test_flatten_kernels_report_the_same_first_broken_rule(small, metadata):
+    assert_same_outputs(FLATTEN, *metadata, body=_kernels(small, FLATTEN))
+
+
 @st.composite
 def any_ids(draw):
     """``[batch, sequence]`` ids of any values and order (physical segments take any integer ids)."""
@@ -148,7 +185,7 @@ def test_physical_kernels_match_the_decomposition(small, ids):
     assert_same(tuple(_kernels(small, PHYSICAL)(ids)), tuple(PHYSICAL.math(ids)))
 
 
-@pytest.mark.parametrize("op", [*GPU_OPS, PHYSICAL], ids=lambda op: op.__name__)
+@pytest.mark.parametrize("op", [*GPU_OPS, PHYSICAL, ops.flatten_metadata_op], ids=lambda op: op.__name__)
 def test_kernels_at_their_shipped_sizes(op):
     """1024 columns a block, 128 rows a group: rows of 2500 span three blocks, 130 rows two groups."""
     shipped = triton_rows
@@ -156,6 +193,10 @@ def test_kernels_at_their_shipped_sizes(op):
     for mask in (random_mask(3, 2500, seed=0, documents=40), random_mask(130, 5, seed=1, documents=2)):
         if op is PHYSICAL:
             assert_same(tuple(_kernels(shipped, op)(mask)), tuple(op.math(mask)))
+        elif op is ops.flatten_metadata_op:  # D = sequence: boundaries of 2501 slots span three blocks too
+            parsed = ops.batch_metadata_op.math(mask, mask.shape[1])
+            metadata = (parsed.packed_token_indices, parsed.cu_seqlens)
+            assert_same_outputs(op, *metadata, body=_kernels(shipped, op))
         else:
             assert_same_outputs(op, mask, mask.shape[1], body=_kernels(shipped, op))
 
@@ -165,7 +206,13 @@ PUBLIC = {
     "batch_metadata": lambda mask: packfn.batch_metadata(mask, max_documents=6),
     "physical_varlen_metadata": packfn.physical_varlen_metadata,
     "thd_metadata": lambda mask: packfn.thd_metadata(mask, max_documents=6),
+    "flatten_metadata": lambda mask: packfn.flatten_metadata(*_batch_major(mask)),
 }
+
+
+def _batch_major(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    parsed = ops.batch_metadata_op.math(mask, 6)  # the aten body: no kernel of its own
+    return parsed.packed_token_indices, parsed.cu_seqlens
 
 
 @pytest.mark.parametrize("name", sorted(PUBLIC))
