@@ -248,7 +248,9 @@ def _position_ids_eager(document_ids: torch.Tensor) -> tuple[torch.Tensor, torch
     return torch.from_numpy(positions), torch.from_numpy(broken)
 
 
-@packfn_op("position_ids", fake=_position_ids_fake, outputs=PositionOutputs, eager=_position_ids_eager)
+@packfn_op(
+    "position_ids", fake=_position_ids_fake, outputs=PositionOutputs, eager=_position_ids_eager, gpu="position_kernels"
+)
 def position_ids_op(document_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     positions, _, broken = _positions_math(document_ids)
     return positions, broken

@@ -62,7 +62,14 @@ import triton
 import triton.language as tl
 from torch.library import wrap_triton
 
-__all__ = ["batch_kernels", "flatten_kernels", "physical_varlen_kernels", "thd_kernels", "varlen_kernels"]
+__all__ = [
+    "batch_kernels",
+    "flatten_kernels",
+    "physical_varlen_kernels",
+    "position_kernels",
+    "thd_kernels",
+    "varlen_kernels",
+]
 
 BLOCK = 1024  # columns a program reads at a time
 ROWS = 128  # rows a program sums at a time to learn the rows before it
@@ -485,6 +492,37 @@ def _flatten_rows(
         tl.store(num_documents, documents_total)
 
 
+@triton.jit
+def _position_rows(ids, positions, stats, sequence, BLOCK: tl.constexpr):
+    """Each token's position in its document (NOTE [Position ids by two running maxima]), and the row's flags."""
+    row = tl.program_id(0).to(tl.int64)
+    ids += row * sequence
+    positions += row * sequence
+    zero = tl.full((), 0, tl.int64)
+    last_id, seen, first_seen, last_valid, negative, decrease = zero, zero, zero, zero - 1, zero, zero
+    for begin in range(0, sequence, BLOCK):
+        column = begin + tl.arange(0, BLOCK)
+        inside = column < sequence
+        value = tl.load(ids + column, mask=inside, other=0).to(tl.int64)
+        left = tl.load(ids + column - 1, mask=inside & (column > 0), other=0).to(tl.int64)
+        earlier, valid, starts, rank = _documents(value, left, last_id, seen)
+        counted = rank + valid.to(tl.int64)  # valid tokens up to and with each column
+        # The count at the latest document start, and the latest valid column, at or before each column.
+        first_seen = tl.maximum(tl.associative_scan(tl.where(starts, counted, 0), 0, _maximum), first_seen)
+        last_valid = tl.maximum(tl.associative_scan(tl.where(valid, column, -1), 0, _maximum), last_valid)
+        # A valid token: its rank in its document. Padding continues the count before it, or counts from 0.
+        position = tl.where(counted > 0, counted - first_seen + column - last_valid, column)
+        tl.store(positions + column, position, mask=inside)
+        negative = tl.maximum(negative, tl.max((value < 0).to(tl.int64), 0))
+        decrease = tl.maximum(decrease, tl.max((valid & (value < earlier)).to(tl.int64), 0))
+        first_seen = tl.max(first_seen, 0)
+        last_valid = tl.max(last_valid, 0)
+        last_id = tl.maximum(last_id, tl.max(value, 0))
+        seen += tl.sum(valid.to(tl.int64), 0)
+    tl.store(stats + row * 2, negative)
+    tl.store(stats + row * 2 + 1, decrease)
+
+
 def _row_ids(document_ids: torch.Tensor) -> torch.Tensor:
     """The mask as the kernels read it: contiguous, bool as uint8."""
     ids = document_ids.view(torch.uint8) if document_ids.dtype == torch.bool else document_ids
@@ -619,3 +657,14 @@ def flatten_kernels(packed_token_indices: torch.Tensor, cu_seqlens: torch.Tensor
     )
     broken = torch.stack([stats[:, column].any() for column in range(3, 7)])  # four: fused with their asserts
     return indices, flat, num_tokens.view(()), num_documents.view(()), broken
+
+
+def position_kernels(document_ids: torch.Tensor):
+    """``packfn::position_ids`` in one launch (NOTE [Two launches on a GPU])."""
+    ids = _row_ids(document_ids)
+    batch, sequence = ids.shape
+    positions = ids.new_empty(batch, sequence, dtype=torch.int64)
+    stats = ids.new_empty(batch, 2, dtype=torch.int64)
+    wrap_triton(_position_rows)[(batch,)](ids, positions, stats, sequence, BLOCK=BLOCK)
+    # The third rule (too many documents) has no cap here: never broken, as in the aten body.
+    return positions, torch.stack([stats[:, 0].any(), stats[:, 1].any(), stats.new_zeros((), dtype=torch.bool)])

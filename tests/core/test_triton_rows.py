@@ -4,7 +4,7 @@ CI has no GPU. The kernels run through Triton's interpreter against the
 aten bodies in ``tests/core/triton_rows_interpreted.py``, which this file
 runs in a pytest of its own (the interpreter must be on before Triton is
 imported); here, what AOTAutograd traces on a GPU tensor and what Inductor
-writes for an H200 (``scripts/inductor_cuda.py``): the two kernels, alone.
+writes for an H200 (``scripts/inductor_cuda.py``): the kernels, and each public function's launches.
 """
 
 from __future__ import annotations
@@ -56,27 +56,27 @@ class _Traced(Exception):
     pass
 
 
-# Each op's two kernels, and its rule flags' reductions (three for the mask ops, one reduction over rows for THD).
 def _batch_major(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """flatten_metadata's inputs, from the aten body (a CPU tensor's)."""
     parsed = ops.batch_metadata_op.math(mask, 64)
     return parsed.packed_token_indices, parsed.cu_seqlens
 
 
-# Each op's arguments from a mask, its two kernels, and its rule flags' reductions (three for the mask ops, four for
-# flatten's, one reduction over the rows for THD's five).
+# Each op's arguments from a mask, its kernels (two; one for position ids), and its rule flags' reductions (three for
+# the mask ops, four for flatten's, one reduction over the rows for THD's five; position ids: two, and the constant third written into their stack).
 LAUNCHES = {
     ops.varlen_metadata_op: (lambda mask: (mask, 64), ["_row_stats_0", "_varlen_rows_1"], 3),
     ops.batch_metadata_op: (lambda mask: (mask, 64), ["_row_stats_0", "_batch_rows_1"], 3),
     ops.flatten_metadata_op: (_batch_major, ["_flatten_stats_0", "_flatten_rows_1"], 4),
     format_ops.thd_metadata_op: (lambda mask: (mask, 64), ["_row_stats_0", "_thd_rows_1"], 1),
     PHYSICAL: (lambda mask: (mask,), ["_segment_stats_0", "_segment_rows_1"], 0),
+    format_ops.position_ids_op: (lambda mask: (mask,), ["_position_rows_0"], 3),
 }
 
 
 @pytest.mark.parametrize("op", sorted(LAUNCHES, key=lambda op: op.__name__), ids=lambda op: op.__name__)
-def test_the_decomposition_launches_the_two_kernels(op):
-    """What AOTAutograd traces on a GPU tensor: the two kernels, no packfn op; Inductor writes them alone."""
+def test_the_decomposition_launches_its_kernels(op):
+    """What AOTAutograd traces on a GPU tensor: the kernels, no packfn op; Inductor writes them and the flags."""
     graphs = []
 
     def backend(gm, example_inputs):
@@ -98,12 +98,13 @@ def test_the_decomposition_launches_the_two_kernels(op):
         compiled(*arguments(random_mask(2, 16, seed=3)))  # traced, never run: no GPU, and no interpreter here
     torch._dynamo.reset()
     launched = graphs[0].count("target=torch.ops.higher_order.triton_kernel_wrapper_functional]")
-    assert launched == 2 and "packfn" not in graphs[0]
+    assert launched == len(kernels) and "packfn" not in graphs[0]
     # Inductor's code for an H200 launches those two, and the flags' reductions: no memset, no copy.
     names = kernel_names(triton_code(lambda *args: tuple(op(*args)), *arguments(random_mask(8, 32768, seed=4))))
     others = [name for name in names if name not in kernels]
-    assert [name for name in names if name in kernels] == kernels and len(names) == len(set(names)) == 2 + flags
-    assert all(name.startswith("triton_per_fused_any_") for name in others), others
+    assert [name for name in names if name in kernels] == kernels
+    assert len(names) == len(set(names)) == len(kernels) + flags
+    assert all(name.startswith(("triton_per_fused_any_", "triton_poi_fused_stack")) for name in others), others
 
 
 # What a user calls, as Inductor writes it for an H200: the kernels, then (varlen_metadata, batch_metadata) the three
@@ -136,6 +137,10 @@ PUBLIC = {
             "triton_per_fused__assert_async_any_bitwise_not_select_stack_0",
             "triton_per_fused_max_slice_sub_1",
         ],
+    ),
+    "packed_position_ids": (
+        packfn.packed_position_ids,
+        ["_position_rows_0", "triton_per_fused__assert_async_any_bitwise_not_select_stack_0"],
     ),
     "thd_metadata": (
         lambda m: tuple(packfn.thd_metadata(m, max_documents=64)),

@@ -36,6 +36,7 @@ from tests.strategies_formats import PackedRows, packed_rows
 assert os.environ.get("TRITON_INTERPRET") == "1", "run by tests/core/test_triton_rows.py, with the interpreter on"
 
 THD = format_ops.thd_metadata_op
+POSITIONS = format_ops.position_ids_op
 GPU_OPS = [ops.varlen_metadata_op, ops.batch_metadata_op, THD]
 PHYSICAL = varlen_ops.physical_varlen_metadata_op
 OUTPUTS = {
@@ -43,6 +44,7 @@ OUTPUTS = {
     ops.batch_metadata_op: ops.BatchOutputs,
     THD: format_ops.ThdOutputs,
     ops.flatten_metadata_op: ops.FlattenOutputs,
+    format_ops.position_ids_op: format_ops.PositionOutputs,
     PHYSICAL: varlen_ops.PhysicalVarlenOutputs,
 }
 # THD's own rules, after the mask rules: padding inside a document, a first row that begins with padding.
@@ -93,7 +95,8 @@ def small():
 
 def _kernels(module, op):
     """The op's Triton kernels in ``module``: ``varlen_metadata_op``'s are ``varlen_kernels``."""
-    kernels = getattr(module, op.__name__.removesuffix("_metadata_op") + "_kernels")
+    name = "position_ids_op" if op is POSITIONS else op.__name__.removesuffix("_metadata_op")
+    kernels = getattr(module, name.removesuffix("_ids_op") + "_kernels")
     return lambda *args: OUTPUTS[op](*kernels(*args))
 
 
@@ -130,6 +133,20 @@ def test_thd_kernels_match_on_what_a_packer_emits(small, rows: PackedRows):
     for capacity in (rows.max_documents, rows.sequence):
         assert not THD.math(rows.document_ids, capacity).broken.any()
         assert_same_outputs(THD, rows.document_ids, capacity, body=_kernels(small, THD))
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(mask=packing_masks(max_sequence=40, max_batch=5))
+@example(mask=torch.tensor([[1] * 9 + [0] * 9 + [1] * 3 + [2] * 10]))  # padding inside a document, across blocks
+@example(mask=torch.tensor([[0, 0, 3, 3, 0], [0, 0, 0, 0, 0]]))  # padding first, and a row of padding
+def test_position_kernels_match_the_decomposition(small, mask):
+    assert_same_outputs(POSITIONS, mask, body=_kernels(small, POSITIONS))
+
+
+@pytest.mark.parametrize("name", sorted(BROKEN))
+def test_position_kernels_report_the_same_first_broken_rule(small, name):
+    mask = torch.tensor(BROKEN[name])
+    assert_same_outputs(POSITIONS, mask, body=_kernels(small, POSITIONS))
 
 
 FLATTEN = ops.flatten_metadata_op
@@ -185,7 +202,7 @@ def test_physical_kernels_match_the_decomposition(small, ids):
     assert_same(tuple(_kernels(small, PHYSICAL)(ids)), tuple(PHYSICAL.math(ids)))
 
 
-@pytest.mark.parametrize("op", [*GPU_OPS, PHYSICAL, ops.flatten_metadata_op], ids=lambda op: op.__name__)
+@pytest.mark.parametrize("op", [*GPU_OPS, PHYSICAL, POSITIONS, ops.flatten_metadata_op], ids=lambda op: op.__name__)
 def test_kernels_at_their_shipped_sizes(op):
     """1024 columns a block, 128 rows a group: rows of 2500 span three blocks, 130 rows two groups."""
     shipped = triton_rows
@@ -193,6 +210,8 @@ def test_kernels_at_their_shipped_sizes(op):
     for mask in (random_mask(3, 2500, seed=0, documents=40), random_mask(130, 5, seed=1, documents=2)):
         if op is PHYSICAL:
             assert_same(tuple(_kernels(shipped, op)(mask)), tuple(op.math(mask)))
+        elif op is POSITIONS:
+            assert_same_outputs(op, mask, body=_kernels(shipped, op))
         elif op is ops.flatten_metadata_op:  # D = sequence: boundaries of 2501 slots span three blocks too
             parsed = ops.batch_metadata_op.math(mask, mask.shape[1])
             metadata = (parsed.packed_token_indices, parsed.cu_seqlens)
@@ -207,6 +226,7 @@ PUBLIC = {
     "physical_varlen_metadata": packfn.physical_varlen_metadata,
     "thd_metadata": lambda mask: packfn.thd_metadata(mask, max_documents=6),
     "flatten_metadata": lambda mask: packfn.flatten_metadata(*_batch_major(mask)),
+    "packed_position_ids": packfn.packed_position_ids,
 }
 
 
@@ -231,4 +251,4 @@ def test_public_functions_take_the_kernels_on_a_gpu_tensor(small, name):
         mock.patch.object(_registry, "_gpu_body", body),
     ):
         assert_same(tuple(PUBLIC[name](mask)), tuple(expected))
-    assert launched == [name.removesuffix("_metadata") + "_kernels"]
+    assert launched == [{"packed_position_ids": "position"}.get(name, name.removesuffix("_metadata")) + "_kernels"]
