@@ -9,7 +9,8 @@ Inductor writes for an H200, where reading the mask once takes well under
 a microsecond, so their time was launch latency. On CUDA, these four and
 ``physical_varlen_metadata`` run these kernels instead, one program per
 row, each walking its row in blocks of ``BLOCK`` columns with a few
-running values carried from block to block:
+running values carried from block to block (``packed_position_ids``, 7
+launches before, needs only the one pass of ``_position_rows``):
 
 1. ``_row_stats`` (``_segment_stats``, ``_flatten_stats``): each row's
    valid tokens, documents, longest document and rule flags (``[batch,
@@ -26,17 +27,17 @@ small reductions with the public function's asserts into one kernel (three
 asserts reading flags a kernel wrote are three kernels): compiled,
 ``varlen_metadata`` launches 3 kernels, ``batch_metadata`` and
 ``flatten_metadata`` 4 (the last their maximum over the documents'
-lengths), ``physical_varlen_metadata`` 2, where SPEC section 6 allows 4.
-Inductor fuses no more than four such reductions with their asserts (a
-stack of five flags is written by a kernel of its own and each assert reads
-it in another), so ``thd_metadata``'s five rules are one reduction over the
-rows and five asserts: 8 launches (``tests/core/test_triton_rows.py`` holds
-every count). No output needs a memset (every slot is written by exactly
-one program) and nothing is read back to the host, so the launches go into
-a CUDA graph. A block finds its documents as the eager kernels do: with a
-running maximum of the ids before each column (``tl.associative_scan``), a
-valid id that differs from it starts a document and one below it breaks the
-order rule.
+lengths), ``physical_varlen_metadata`` and ``packed_position_ids`` 2, where
+SPEC section 6 allows 4. Inductor fuses no more than four such reductions
+with their asserts (a stack of five flags is written by a kernel of its own
+and each assert reads it in another), so ``thd_metadata``'s five rules are
+one reduction over the rows and five asserts: 8 launches
+(``tests/core/test_triton_rows.py`` holds every count). No output needs a
+memset (every slot is written by exactly one program) and nothing is read
+back to the host, so the launches go into a CUDA graph. A block finds its
+documents as the eager kernels do: with a running maximum of the ids before
+each column (``tl.associative_scan``), a valid id that differs from it
+starts a document and one below it breaks the order rule.
 
 The loads of the mask sit in the kernels' bodies, never in a helper: torch
 learns which arguments a user-defined kernel writes by following each
