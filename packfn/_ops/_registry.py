@@ -49,7 +49,9 @@ __all__ = [
     "Rule",
     "assert_rules",
     "device_assert",
+    "gpu_body",
     "gpu_kernels",
+    "gpu_or",
     "named_value",
     "packfn_op",
 ]
@@ -122,7 +124,7 @@ def packfn_op(
         # The bodies, callable on their own (the tests hold them equal).
         call.op, call.math, call.eager = op, named(math), named(eager_body)
         if gpu is not None:
-            call.gpu = named(lambda *args: _gpu_body(gpu)(*args))
+            call.gpu = named(lambda *args: gpu_body(gpu)(*args))
         return call
 
     return register
@@ -143,11 +145,17 @@ def gpu_kernels(tensor: torch.Tensor) -> bool:
     return tensor.device.type == "cuda" and tensor.numel() > 0 and _triton_importable()
 
 
-def _gpu_body(name: str) -> Callable[..., Any]:
+def gpu_body(name: str) -> Callable[..., Any]:
+    """The function ``name`` of :mod:`packfn._ops.triton_rows` (NOTE [Two launches on a GPU])."""
     # Imported on first use: importing triton costs time, and a CPU install may lack it.
     from packfn._ops import triton_rows
 
     return getattr(triton_rows, name)
+
+
+def gpu_or(name: str, body: Callable[..., Any], *args: Any) -> Any:
+    """``triton_rows.<name>(*args)`` where :func:`gpu_kernels` takes the first argument, else ``body(*args)``."""
+    return gpu_body(name)(*args) if gpu_kernels(args[0]) else body(*args)
 
 
 def _on_gpu(name: str, body: Callable[..., Any]) -> Callable[..., Any]:
@@ -155,7 +163,7 @@ def _on_gpu(name: str, body: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(body)
     def choose(*args: Any) -> Any:
-        return _gpu_body(name)(*args) if gpu_kernels(args[0]) else body(*args)
+        return gpu_or(name, body, *args)
 
     return choose
 

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from packfn._compat import scatter
-from packfn._ops._registry import Rule, named_value, packfn_op
+from packfn._ops._registry import Rule, gpu_or, named_value, packfn_op
 from packfn._ops.scan import running_sum
 
 __all__ = [
@@ -59,7 +59,8 @@ def mask_flags(document_ids: torch.Tensor, check: bool) -> torch.Tensor:
     """
     if not check:
         return document_ids.new_zeros(3, dtype=torch.bool)
-    return parse_mask(document_ids, document_ids.shape[1]).broken
+    # On CUDA one pass of a Triton kernel (NOTE [Two launches on a GPU]), where the aten body parses the mask.
+    return gpu_or("mask_flags_kernels", lambda ids: parse_mask(ids, ids.shape[1]).broken, document_ids)
 
 
 def broken_fake(document_ids: torch.Tensor) -> torch.Tensor:

@@ -66,6 +66,7 @@ from torch.library import wrap_triton
 __all__ = [
     "batch_kernels",
     "flatten_kernels",
+    "mask_flags_kernels",
     "physical_varlen_kernels",
     "position_kernels",
     "thd_kernels",
@@ -546,6 +547,12 @@ def _stats(ids: torch.Tensor) -> torch.Tensor:
     stats = ids.new_empty(batch, STATS, dtype=torch.int64)
     wrap_triton(_row_stats)[(batch,)](ids, stats, sequence, BLOCK=BLOCK)
     return stats
+
+
+def mask_flags_kernels(document_ids: torch.Tensor) -> torch.Tensor:
+    """``mask_flags`` of a mask (``D = sequence``): one pass of ``_row_stats``, where the aten body parses the mask."""
+    ids = _row_ids(document_ids)
+    return _flags(_stats(ids), ids.shape[1])
 
 
 def varlen_kernels(document_ids: torch.Tensor, max_documents: int):

@@ -63,7 +63,7 @@ def _batch_major(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 # Each op's arguments from a mask, its kernels (two; one for position ids), and its rule flags' reductions (three for
-# the mask ops, four for flatten's, one reduction over the rows for THD's five; position ids: two, and the constant third written into their stack).
+# the mask ops, four for flatten's, one over the rows for THD's five; position ids: two, and their stack's write).
 LAUNCHES = {
     ops.varlen_metadata_op: (lambda mask: (mask, 64), ["_row_stats_0", "_varlen_rows_1"], 3),
     ops.batch_metadata_op: (lambda mask: (mask, 64), ["_row_stats_0", "_batch_rows_1"], 3),
@@ -182,6 +182,16 @@ def test_the_public_functions_launch_their_kernels(name):
         logger.removeHandler(records)
     assert not records.messages, records.messages[0]
     assert names == expected and (len(names) <= 4 or name == "thd_metadata")
+
+
+@pytest.mark.parametrize("name", ["document_block_mask", "block_causal_mask"])
+def test_the_masks_check_their_rules_in_one_pass(name):
+    """``mask_flags`` on CUDA: ``_row_stats`` where the aten body parses the mask (a memset, a scan, a scatter,
+    ...); what is left of document_block_mask's launches is torch's own (``BlockMask.from_kv_blocks``)."""
+    mask = PackedRows(4096, ((300,) * 13,) * 8).document_ids
+    names = kernel_names(triton_code(getattr(packfn, name), mask))
+    assert names.count("_row_stats_0") == 1
+    assert not [kernel for kernel in names if "cumsum" in kernel or "scatter" in kernel or "memset" in kernel], names
 
 
 def test_the_mask_is_not_counted_as_written():

@@ -149,6 +149,18 @@ def test_position_kernels_report_the_same_first_broken_rule(small, name):
     assert_same_outputs(POSITIONS, mask, body=_kernels(small, POSITIONS))
 
 
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(mask=packing_masks(max_sequence=40, max_batch=5))
+@example(mask=torch.tensor([[-1, -1, -1]]))  # negative ids that never decrease
+@example(mask=torch.tensor([[2, 1, 2], [0, 0, 0]]))  # a decrease, and a row of padding
+def test_mask_flags_kernels_equal_the_parse(small, mask):
+    """Every flag, not only the first broken one: with ``D = sequence`` no row can hold too many documents."""
+    assert_same(small.mask_flags_kernels(mask), ops.parse_mask(mask, mask.shape[1]).broken)
+    for name in sorted(BROKEN):
+        broken = torch.tensor(BROKEN[name])
+        assert_same(small.mask_flags_kernels(broken), ops.parse_mask(broken, broken.shape[1]).broken)
+
+
 FLATTEN = ops.flatten_metadata_op
 
 
@@ -248,7 +260,7 @@ def test_public_functions_take_the_kernels_on_a_gpu_tensor(small, name):
 
     with (
         mock.patch.object(_registry, "gpu_kernels", lambda tensor: True),
-        mock.patch.object(_registry, "_gpu_body", body),
+        mock.patch.object(_registry, "gpu_body", body),
     ):
         assert_same(tuple(PUBLIC[name](mask)), tuple(expected))
     assert launched == [{"packed_position_ids": "position"}.get(name, name.removesuffix("_metadata")) + "_kernels"]
