@@ -22,6 +22,8 @@ launches before, needs only the one pass of ``_position_rows``):
    boundaries and lengths of each document, the slots past the last
    document; program 0 writes the totals.
 
+``mask_flags``, the rule check of the block masks, is (1) alone on CUDA.
+
 The rule flags are reduced from (1) by aten, so that Inductor fuses those
 small reductions with the public function's asserts into one kernel (three
 asserts reading flags a kernel wrote are three kernels): compiled,
