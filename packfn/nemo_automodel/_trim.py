@@ -72,8 +72,9 @@ def python_ints(values: list[torch.Tensor], bounds: list[int]) -> tuple[int, ...
     )
     sizes = tuple(_sizes(stacked, capped).shape[:-1])
     for size, bound in zip(sizes, bounds, strict=True):
-        # Known from the cap when the bound is a number; a symbolic bound (dynamic shapes) needs saying,
-        # or torch 2.11 gives a slice by this size a size of its own that it cannot place.
+        # Known from the cap when the bound is a number; a symbolic one (dynamic shapes) needs saying, or
+        # torch 2.11 gives a slice by ``size`` of a tensor a Triton kernel wrote a fresh size of its own, which
+        # AOTAutograd then fails to place (PendingUnbackedSymbolNotFound: get_unpad_data on CUDA).
         torch._check(size <= bound)
     return sizes
 

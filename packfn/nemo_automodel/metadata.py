@@ -376,7 +376,10 @@ def flatten_packed_sequence_metadata(
     limit = torch.iinfo(cu_seqlens.dtype).max
     past = Rule(f"the flat total of the valid tokens is past {limit}, which cu_seqlens' dtype {cu_seqlens.dtype} holds")
     if torch.compiler.is_compiling():
-        flat = _ops.flatten_metadata_op(packed_token_indices, cu_seqlens)
+        # The aten body on every device, not the Triton kernels CUDA takes (NOTE [Two launches on a GPU]):
+        # torch 2.11 cannot compile a slice by a size read back of a kernel-written output here with dynamic
+        # shapes (PendingUnbackedSymbolNotFound; tests/core/test_triton_codegen.py runs it on 2.11).
+        flat = _ops.flatten_metadata_op.math(packed_token_indices, cu_seqlens)
         flags = torch.cat([flat.broken, (flat.num_documents == 0).reshape(1), (flat.num_tokens > limit).reshape(1)])
         tokens, documents = checked_ints(
             [flat.num_tokens, flat.num_documents],
