@@ -20,8 +20,6 @@ __all__ = [
     "current_dispatch_mode",
     "is_functorch_wrapper",
     "leading_columns",
-    "leading_entries",
-    "scatter",
     "sym_max",
     "sym_min",
 ]
@@ -52,17 +50,6 @@ def sym_max(a, b):
     return max(a, b) if torch.compiler.is_dynamo_compiling() else torch.sym_max(a, b)
 
 
-def scatter(buffer: torch.Tensor, dim: int, index: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
-    """``buffer.scatter(dim, index, src)``, out of place.
-
-    torch 2.11 loses an unbacked size of a compiled drop-in
-    (``PendingUnbackedSymbolNotFound``) after an in-place ``scatter_`` in
-    the varlen permutation; the out-of-place form costs one buffer. Go back
-    to ``scatter_`` once packfn requires a torch that traces it.
-    """
-    return buffer.scatter(dim, index, src)
-
-
 def leading_columns(tensor: torch.Tensor, count) -> torch.Tensor:
     """The first ``count`` columns (axis 1) of ``tensor`` as a new contiguous tensor.
 
@@ -72,19 +59,6 @@ def leading_columns(tensor: torch.Tensor, count) -> torch.Tensor:
     torch does this.
     """
     return tensor.index_select(1, torch.arange(count, device=tensor.device))
-
-
-def leading_entries(tensor: torch.Tensor, count) -> torch.Tensor:
-    """The first ``count`` entries of a 1-D ``tensor`` (``count`` an unbacked size when traced), as a new tensor.
-
-    By ``index_select`` rather than a slice: torch 2.11, compiling with
-    dynamic shapes, loses the size of a slice ``tensor[:count]`` whose
-    length ``tensor`` has symbolically (``PendingUnbackedSymbolNotFound``:
-    the slice's length, ``min(count, length)``, becomes a new unbacked
-    symbol that no output binds). Use a slice once packfn requires a torch
-    that keeps it.
-    """
-    return tensor.index_select(0, torch.arange(count, device=tensor.device))
 
 
 def current_dispatch_mode():

@@ -10,7 +10,6 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from packfn._compat import scatter
 from packfn._ops._registry import Rule, gpu_or, named_value, packfn_op
 from packfn._ops.scan import running_sum
 
@@ -87,7 +86,7 @@ def _valid_first(valid: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tenso
     valid_seen = valid.cumsum(0)
     positions = torch.arange(valid.numel(), device=valid.device)
     destination = torch.where(valid, valid_seen - 1, (positions - valid_seen).add_(valid_seen[-1]))
-    return scatter(torch.empty_like(values), 0, destination, values), valid_seen
+    return torch.empty_like(values).scatter_(0, destination, values), valid_seen
 
 
 def parse_mask(document_ids: torch.Tensor, max_documents: int) -> ParsedMask:

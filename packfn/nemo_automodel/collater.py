@@ -13,7 +13,6 @@ from typing import Any, get_args
 import torch
 
 from packfn._checks import check_mask
-from packfn._compat import leading_entries
 from packfn._ops import masks as _mask_ops
 from packfn._ops import varlen as _varlen_ops
 from packfn._ops.metadata import mask_rules
@@ -161,7 +160,7 @@ def _collater_inputs(
     ints = checked_ints(reads, bounds, flags, mask_rules(sequence))
     if varlen is not None:
         segments, longest = ints[:2]
-        result.update(flash_kwargs(leading_entries(varlen.cu_seqlens, segments + 1), longest))
+        result.update(flash_kwargs(varlen.cu_seqlens[: segments + 1], longest))
     if needs_metadata:
         result.update(build_packed_sequence_metadata(document_ids))
     if needs_metadata or ints[-1]:

@@ -10,7 +10,6 @@ from dataclasses import dataclass
 
 import torch
 
-from packfn._compat import leading_entries
 from packfn._ops import varlen as _ops
 from packfn.nemo_automodel._trim import python_ints
 from packfn.varlen import flash_kwargs, physical_ids
@@ -71,7 +70,7 @@ def trimmed_params(doc_ids: torch.Tensor, varlen: _ops.PhysicalVarlenOutputs) ->
     """The op's static boundaries trimmed to the segment count (one host read in eager, unbacked when traced)."""
     batch, sequence = doc_ids.shape
     segments, longest = python_ints([varlen.num_segments, varlen.max_seqlen], [batch * sequence, sequence])
-    return PackedSeqParams(leading_entries(varlen.cu_seqlens, segments + 1), max_seqlen=longest, doc_ids=doc_ids)
+    return PackedSeqParams(varlen.cu_seqlens[: segments + 1], max_seqlen=longest, doc_ids=doc_ids)
 
 
 def to_flash_attention_kwargs(params: PackedSeqParams) -> dict[str, torch.Tensor | int]:

@@ -21,9 +21,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import packfn.nemo_automodel as nemo
 from packfn import _compat
-from packfn._ops import metadata as metadata_ops
 from packfn.nemo_automodel import layout as dropin_layout
-from packfn.nemo_automodel import packed_seq as nemo_packed_seq
 
 RELEASE = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
 
@@ -31,9 +29,7 @@ RELEASE = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")
 NEEDED_ON = {
     "all_gather": {(2, 11), (2, 12)},
     "sym_min": {(2, 11)},
-    "scatter": {(2, 11)},
     "leading_columns": {(2, 13), (2, 14), (2, 15)},
-    "leading_entries": {(2, 11)},
 }
 
 
@@ -83,19 +79,6 @@ def test_sym_min_of_ints_graph_breaks_only_where_named():
     assert _compat.sym_min(4, 3) == 3 and _compat.sym_max(4, 3) == 4
 
 
-def _compiled_unpad_data() -> None:
-    compiled = torch.compile(nemo.get_unpad_data, fullgraph=True, dynamic=True)
-    for mask in (torch.tensor([[1, 1, 2, 0], [1, 0, 0, 0]]), torch.tensor([[1, 1, 2, 0, 3], [1, 0, 0, 0, 2]])):
-        indices, _, _ = compiled(mask)
-        assert torch.equal(indices, mask.reshape(-1).nonzero().squeeze(1))
-
-
-def test_in_place_scatter_loses_an_unbacked_size_only_where_named(monkeypatch):
-    assert not _fails(_compiled_unpad_data)
-    monkeypatch.setattr(metadata_ops, "scatter", lambda buffer, dim, index, src: buffer.scatter_(dim, index, src))
-    assert _fails(_compiled_unpad_data) == (RELEASE in NEEDED_ON["scatter"])
-
-
 def _compiled_layout_backward() -> None:
     def step(values, seq_lens):
         layout = nemo.packed_layout(seq_lens, seq_lens_padded=None, input_shape=tuple(values.shape[:2]), alignment=4)
@@ -112,18 +95,6 @@ def test_sliced_unbacked_columns_break_the_backward_only_where_named(monkeypatch
     assert not _fails(_compiled_layout_backward)
     monkeypatch.setattr(dropin_layout, "leading_columns", lambda tensor, count: tensor[:, :count])
     assert _fails(_compiled_layout_backward) == (RELEASE in NEEDED_ON["leading_columns"])
-
-
-def _compiled_segments() -> None:
-    compiled = torch.compile(nemo.packed_seq_params_from_doc_ids, fullgraph=True, dynamic=True)
-    for mask in (torch.tensor([[1, 1, 2, 0], [1, 0, 0, 0]]), torch.tensor([[1, 1, 2, 0, 3], [1, 0, 0, 0, 2]])):
-        assert torch.equal(compiled(mask).cu_seqlens, nemo.packed_seq_params_from_doc_ids(mask).cu_seqlens)
-
-
-def test_sliced_unbacked_entries_lose_their_size_only_where_named(monkeypatch):
-    assert not _fails(_compiled_segments)
-    monkeypatch.setattr(nemo_packed_seq, "leading_entries", lambda tensor, count: tensor[:count])
-    assert _fails(_compiled_segments) == (RELEASE in NEEDED_ON["leading_entries"])
 
 
 def test_private_apis_still_answer():

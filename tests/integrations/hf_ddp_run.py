@@ -81,7 +81,7 @@ def train(output_dir: Path, *, resume: bool = False, gradient_accumulation_steps
         output_dir=str(output_dir), use_cpu=True, report_to=[], max_steps=STEPS,
         save_steps=SAVE_STEPS, logging_steps=1, gradient_accumulation_steps=gradient_accumulation_steps,
         learning_rate=1e-2, ignore_data_skip=True, dataloader_num_workers=0, disable_tqdm=True, seed=0,
-        ddp_timeout=60,  # a process that fails leaves the other waiting in a collective this long at most
+        ddp_timeout=120,  # a process that fails leaves the other waiting in a collective this long at most
     )  # fmt: skip
     rank, world = arguments.process_index, arguments.world_size
     trainer = transformers.Trainer(
@@ -118,6 +118,10 @@ def main(output: Path) -> None:
         shutil.copytree(uninterrupted / checkpoint, resumed / checkpoint)
     torch.distributed.barrier()
     torch.save(train(resumed, resume=True), output / f"resumed-{rank}.pt")
+    # Both processes leave together, their process group closed: neither exits while the other still
+    # talks to it.
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

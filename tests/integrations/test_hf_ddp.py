@@ -50,6 +50,9 @@ def runs(tmp_path_factory) -> dict:
     """Each process's result of the torchrun runs, the one-process reference's, and the runs' folder."""
     output = tmp_path_factory.mktemp("ddp")
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(WORLD)]
+    # Each process's output in a file of its own: torchrun's report of a failure does not hold the
+    # process's own traceback (or a C++ abort's message), and it would push them out of the message below.
+    command += ["--log-dir", str(output / "logs"), "--redirects", "3"]
     command += ["-m", "tests.integrations.hf_ddp_run", str(output)]
     path = os.pathsep.join(filter(None, (str(REPO), os.environ.get("PYTHONPATH"))))
     environment = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
@@ -62,12 +65,15 @@ def runs(tmp_path_factory) -> dict:
         # The reference trains here meanwhile. The two processes mostly import transformers (on two shared
         # cores), then train a few steps: far under the limit.
         reference = train(tmp_path_factory.mktemp("reference"), gradient_accumulation_steps=WORLD)
-        stdout, stderr = done.communicate(timeout=240)
+        _, stderr = done.communicate(timeout=240)
     finally:
         if done.poll() is None:
             os.killpg(done.pid, signal.SIGKILL)
             done.communicate()
-    assert done.returncode == 0, stdout[-3000:] + stderr[-5000:]
+    if done.returncode != 0:
+        logs = sorted((output / "logs").glob("**/std*.log"))
+        tails = [f"{log.relative_to(output)}:\n{log.read_text()[-3000:]}" for log in logs]
+        pytest.fail("\n".join(tails) + stderr[-2000:])
 
     def load(name: str) -> list[dict]:
         return [torch.load(output / f"{name}-{rank}.pt", weights_only=False) for rank in range(WORLD)]

@@ -72,6 +72,21 @@ def test_export_of_drop_ins_has_unbacked_sizes(no_graph_breaks):
 # ------------------------------------------ issue 8, case 2: dynamic shapes
 
 
+def _segments(mask):
+    params = drop_ins.packed_seq_params_from_doc_ids(mask)
+    return params.cu_seqlens, params.max_seqlen, params.doc_ids
+
+
+@pytest.mark.parametrize("function", [drop_ins.get_unpad_data, _segments], ids=["unpad", "segments"])
+def test_drop_ins_with_sliced_unbacked_sizes_compile_with_dynamic_shapes(function):
+    # Each slices an op's output by a size read back. torch 2.11 compiled neither with dynamic=True
+    # (PendingUnbackedSymbolNotFound) until python_ints stated that size's symbolic bound; packfn then
+    # needed no out-of-place scatter or index_select in their place.
+    compiled = torch.compile(function, fullgraph=True, dynamic=True)
+    for mask in (torch.tensor([[1, 1, 2, 0], [1, 0, 0, 0]]), torch.tensor([[1, 1, 2, 0, 3], [1, 0, 0, 0, 2]])):
+        assert_same(compiled(mask), function(mask))
+
+
 def _metadata_everywhere(mask):
     flat = packfn.varlen_metadata(mask, max_documents=16)
     batch = packfn.batch_metadata(mask, max_documents=16)
