@@ -211,9 +211,23 @@ class Rule(NamedTuple):
 
 
 def assert_rules(broken: torch.Tensor, rules: tuple[Rule, ...]) -> None:
-    """Sync-free check of an op's rule flags: bool ``[len(rules)]``, True where a rule is broken."""
-    for index, rule in enumerate(rules):
-        device_assert(~broken[index], rule.message)
+    """Sync-free check of an op's rule flags: bool ``[len(rules)]``, True where a rule is broken.
+
+    On CUDA (with Triton) the flags are read as the bits of one integer, which every
+    assert then tests: Inductor fuses asserts that read the same value into
+    one Triton kernel, where asserts reading different elements of a flags
+    tensor written by an earlier kernel are a kernel each. Elsewhere each
+    assert reads its flag: Inductor's C++ backend would fuse the asserts
+    reading one integer into an OpenMP parallel region, where a failed
+    assert's exception aborts the process instead of raising.
+    """
+    if gpu_kernels(broken):  # a CUDA tensor, with Triton
+        bits = torch.where(broken, 1 << torch.arange(len(rules), device=broken.device), 0).sum()
+        flags = [(bits >> index) & 1 != 0 for index in range(len(rules))]
+    else:
+        flags = list(broken)
+    for flag, rule in zip(flags, rules, strict=True):
+        device_assert(~flag, rule.message)
 
 
 # NOTE [Assert messages fit CUDA's buffer]

@@ -24,16 +24,14 @@ launches before, needs only the one pass of ``_position_rows``):
 
 ``mask_flags``, the rule check of the block masks, is (1) alone on CUDA.
 
-The rule flags are reduced from (1) by aten, so that Inductor fuses those
-small reductions with the public function's asserts into one kernel (three
-asserts reading flags a kernel wrote are three kernels): compiled,
-``varlen_metadata`` launches 3 kernels, ``batch_metadata`` and
-``flatten_metadata`` 4 (the last their maximum over the documents'
-lengths), ``physical_varlen_metadata`` and ``packed_position_ids`` 2, where
-SPEC section 6 allows 4. Inductor fuses no more than four such reductions
-with their asserts (a stack of five flags is written by a kernel of its own
-and each assert reads it in another), so ``thd_metadata``'s five rules are
-one reduction over the rows and five asserts: 8 launches
+The rule flags are reduced from (1) by aten, one small reduction per rule,
+so that Inductor fuses them with the public function's asserts into one
+kernel (``assert_rules`` reads the flags as the bits of one integer: asserts
+reading different elements of a flags tensor a kernel wrote are a kernel
+each): compiled, ``varlen_metadata`` and ``thd_metadata`` launch 3 kernels,
+``batch_metadata`` and ``flatten_metadata`` 4 (the last their maximum over
+the documents' lengths), ``physical_varlen_metadata`` and
+``packed_position_ids`` 2, where SPEC section 6 allows 4
 (``tests/core/test_triton_rows.py`` holds every count). No output needs a
 memset (every slot is written by exactly one program) and nothing is read
 back to the host, so the launches go into a CUDA graph. A block finds its
@@ -537,11 +535,15 @@ def _flags(stats: torch.Tensor, max_documents: int) -> torch.Tensor:
     """The mask rules' flags (``mask_rules``) from the rows' stats.
 
     Three reductions by aten, not flags written by a kernel: Inductor fuses
-    them with the public function's three asserts into one kernel, where
-    asserts reading a kernel's (or one reduction's) flags are a kernel each.
-    The op alone, asserts left out, launches the three reductions apart.
+    them with the public function's asserts into one kernel. The op alone,
+    asserts left out, launches the three reductions apart.
     """
-    return torch.stack([stats[:, 3].any(), stats[:, 4].any(), (stats[:, 1] > max_documents).any()])
+    return _any(stats[:, 3] != 0, stats[:, 4] != 0, stats[:, 1] > max_documents)
+
+
+def _any(*rows: torch.Tensor) -> torch.Tensor:
+    """Whether each bool ``[batch]`` is true in any row: one small reduction each, which Inductor fuses."""
+    return torch.stack([row.any() for row in rows])
 
 
 def _stats(ids: torch.Tensor) -> torch.Tensor:
@@ -643,11 +645,8 @@ def thd_kernels(document_ids: torch.Tensor, max_documents: int):
     wrap_triton(_thd_rows)[(batch,)](
         ids, stats, cu_seqlens, cu_seqlens_padded, batch, sequence, max_documents, BLOCK=BLOCK, ROWS=ROWS
     )
-    # Each rule per row, then one reduction over the rows: Inductor fuses a stack of up to four flags' reductions
-    # with their asserts, but no more; five asserts reading one reduction are five kernels (NOTE above).
-    rows = [stats[:, 3] != 0, stats[:, 4] != 0, stats[:, 1] > max_documents, stats[:, 5] != 0]
     leading = (ids[0, 0] == 0) & (stats[:, 0] > 0)  # the first row begins with padding, and a document follows
-    return cu_seqlens, cu_seqlens_padded, torch.stack([*rows, leading], 1).any(0)
+    return cu_seqlens, cu_seqlens_padded, torch.cat([_flags(stats, max_documents), _any(stats[:, 5] != 0, leading)])
 
 
 def flatten_kernels(packed_token_indices: torch.Tensor, cu_seqlens: torch.Tensor):
@@ -665,7 +664,7 @@ def flatten_kernels(packed_token_indices: torch.Tensor, cu_seqlens: torch.Tensor
     wrap_triton(_flatten_rows)[(batch,)](
         tokens, bounds, stats, indices, flat, num_tokens, num_documents, batch, sequence, slots, BLOCK=BLOCK, ROWS=ROWS
     )
-    broken = torch.stack([stats[:, column].any() for column in range(3, 7)])  # four: fused with their asserts
+    broken = _any(*(stats[:, column] != 0 for column in range(3, 7)))
     return indices, flat, num_tokens.view(()), num_documents.view(()), broken
 
 
