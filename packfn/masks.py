@@ -185,8 +185,8 @@ def document_block_mask(
     ``torch.export`` with a ``Dim`` on the sequence takes it only as a
     multiple of ``block_size`` of at least two blocks
     (``dynamic_shapes={1: block_size * Dim("blocks", min=2)}``): for any
-    other length torch's ``BlockMask.from_kv_blocks`` guards on
-    ``ceil(S / block_size) ** 2 != ceil(S / block_size)``, which the
+    other length torch's shape reasoning over the ``[blocks, blocks]`` tables
+    guards on ``ceil(S / block_size) ** 2 != ceil(S / block_size)``, which the
     solver cannot prove.
 
     Raises:
@@ -213,16 +213,23 @@ def checked_block_mask(
     check: bool,
 ) -> BlockMask:
     """:func:`document_block_mask` of checked arguments; the mask's rules only with ``check`` (NOTE [Check once])."""
-    blocks = _ops.document_kv_blocks_op(document_ids, block_size, window, separate_full_blocks, positions, check)
+    tables = _ops.document_block_tables_op(document_ids, block_size, window, separate_full_blocks, positions, check)
     if check:
-        assert_rules(blocks.broken, mask_rules(document_ids.shape[1]))
-    full = (blocks.full_kv_num_blocks, blocks.full_kv_indices) if separate_full_blocks else (None, None)
+        assert_rules(tables.broken, mask_rules(document_ids.shape[1]))
     sequence = document_ids.shape[1]
-    return BlockMask.from_kv_blocks(
-        blocks.kv_num_blocks,
-        blocks.kv_indices,
-        *full,
-        BLOCK_SIZE=block_size,
-        mask_mod=_mask_mod(document_ids, window, positions),
+    full = separate_full_blocks
+    # The query-side tables come with the op (one kernel on CUDA), where BlockMask.from_kv_blocks would derive
+    # them from the key side in about ten launches of its own.
+    return BlockMask(
         seq_lengths=(sequence, sequence),
+        kv_num_blocks=tables.kv_num_blocks,
+        kv_indices=tables.kv_indices,
+        full_kv_num_blocks=tables.full_kv_num_blocks if full else None,
+        full_kv_indices=tables.full_kv_indices if full else None,
+        q_num_blocks=tables.q_num_blocks,
+        q_indices=tables.q_indices,
+        full_q_num_blocks=tables.full_q_num_blocks if full else None,
+        full_q_indices=tables.full_q_indices if full else None,
+        BLOCK_SIZE=(block_size, block_size),
+        mask_mod=_mask_mod(document_ids, window, positions),
     )

@@ -26,7 +26,14 @@ from packfn._ops._registry import packfn_op
 from packfn._ops.metadata import broken_fake, mask_flags
 from packfn._utils import cdiv
 
-__all__ = ["BlockCausalOutputs", "DocumentKvBlocks", "block_causal_mask_op", "document_kv_blocks_op"]
+__all__ = [
+    "BlockCausalOutputs",
+    "DocumentBlockTables",
+    "block_causal_mask_op",
+    "block_pairs",
+    "block_summaries",
+    "document_block_tables_op",
+]
 
 
 # ------------------------------------------------------------- block causal
@@ -58,7 +65,7 @@ def block_causal_mask_op(document_ids: torch.Tensor, check: bool) -> tuple[torch
 # ------------------------------------------------------------ flex attention
 
 
-def _document_kv_blocks_fake(
+def _document_block_tables_fake(
     document_ids: torch.Tensor,
     block_size: int,
     window: int | None,
@@ -66,18 +73,14 @@ def _document_kv_blocks_fake(
     positions: torch.Tensor | None,
     check: bool,
 ):
-    """int32 ``kv_num_blocks [B, 1, Q]``, ``kv_indices [B, 1, Q, K]``, the same two for full blocks, rule flags."""
+    """int32 ``[B, 1, Q]`` counts and ``[B, 1, Q, K]`` indices: key blocks, full key blocks, query blocks, full
+    query blocks (``Q == K``); the rule flags."""
     batch, sequence = document_ids.shape
     blocks = cdiv(sequence, block_size)
     new = document_ids.new_empty
     counts, indices = (batch, 1, blocks), (batch, 1, blocks, blocks)
-    return (
-        new(counts, dtype=torch.int32),
-        new(indices, dtype=torch.int32),
-        new(counts, dtype=torch.int32),
-        new(indices, dtype=torch.int32),
-        broken_fake(document_ids),
-    )
+    tables = [new(shape, dtype=torch.int32) for _ in range(4) for shape in (counts, indices)]
+    return (*tables, broken_fake(document_ids))
 
 
 def _ordered(dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -89,83 +92,116 @@ def _ordered(dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     fused ranges (``CantSplit: B*Q not divisible by B*Q**2``, torch 2.11 to
     2.15 on CUDA); the sort's output is a buffer of its own.
     """
-    values, indices = torch.sort(dense.to(torch.int32), dim=-1, descending=True, stable=True)
+    values, indices = torch.sort(dense.to(torch.int32).contiguous(), dim=-1, descending=True, stable=True)
     return values.sum(dim=-1, dtype=torch.int32), indices.to(torch.int32)
 
 
-class DocumentKvBlocks(NamedTuple):
-    """Outputs of ``packfn::document_kv_blocks``: a BlockMask's tensors and the mask rule flags."""
+class DocumentBlockTables(NamedTuple):
+    """Outputs of ``packfn::document_block_tables``: a BlockMask's tables and the mask rule flags."""
 
     kv_num_blocks: torch.Tensor
     kv_indices: torch.Tensor
     full_kv_num_blocks: torch.Tensor
     full_kv_indices: torch.Tensor
+    q_num_blocks: torch.Tensor
+    q_indices: torch.Tensor
+    full_q_num_blocks: torch.Tensor
+    full_q_indices: torch.Tensor
     broken: torch.Tensor
 
 
-@packfn_op("document_kv_blocks", fake=_document_kv_blocks_fake, outputs=DocumentKvBlocks)
-def document_kv_blocks_op(
+def block_summaries(
+    document_ids: torch.Tensor, block_size: int, window: int | None, positions: torch.Tensor | None
+) -> torch.Tensor:
+    """int64 ``[batch, 6, blocks]``: each block's first and last id, first and last valid coordinate, whether it is
+    uniform (valid throughout, one id) and whether it holds a valid token; what :func:`block_pairs` reads.
+
+    A block without a valid token gets first id -1, which no block's last id
+    (0 or a positive id) equals, so it shares a document with no block. (Any
+    positive sentinel is a legal id that a real block may end with.) The
+    coordinates are columns, or ``positions`` where a window measures them.
+    Slots past the sequence are padding, so an edge block is never uniform,
+    as in ``create_block_mask``.
+    """
+    batch, sequence = document_ids.shape
+    blocks = cdiv(sequence, block_size)
+    ids = F.pad(document_ids.to(torch.int64), (0, blocks * block_size - sequence)).reshape(batch, blocks, block_size)
+    valid = ids != 0
+    columns = torch.arange(blocks * block_size, device=ids.device).reshape(blocks, block_size)
+    past_end = blocks * block_size + 1
+    last_id = ids.amax(dim=2)  # 0 for a block without a valid token
+    any_valid = valid.any(dim=2)
+    first_id = torch.where(valid, ids, torch.iinfo(torch.int64).max).amin(dim=2)
+    first_id = torch.where(any_valid, first_id, -1)
+    first_valid = torch.where(valid, columns, past_end).amin(dim=2)
+    last_valid = torch.where(valid, columns, -past_end).amax(dim=2)
+    if window is not None and positions is not None:
+        # The same tokens, measured in positions: gathered by their index in the block.
+        coordinates = F.pad(positions.to(torch.int64), (0, blocks * block_size - sequence))
+        coordinates = coordinates.view(batch, blocks, block_size)
+        first_valid = coordinates.gather(2, (first_valid % block_size).unsqueeze(2)).squeeze(2)
+        last_valid = coordinates.gather(2, (last_valid % block_size).unsqueeze(2)).squeeze(2)
+    uniform = valid.all(dim=2) & (first_id == last_id)
+    return torch.stack([first_id, last_id, first_valid, last_valid, uniform.long(), any_valid.long()], dim=1)
+
+
+def block_pairs(
+    summaries: torch.Tensor, block_size: int, window: int | None, separate_full: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Bool ``[batch, Q, K]``: query block ``i`` sees key block ``j`` in part, and in full (all False unless
+    ``separate_full``, as then a partial block is any block seen).
+
+    Ids never decrease along the valid tokens of a row, so a key block j
+    strictly before query block i shares a document with it only through its
+    last id, which must be the first id of block i; the nearest pair is (last
+    valid key of j, first valid query of i), which decides the window, and a
+    full pair (both blocks uniform, one document) stays full when its
+    farthest pair is within the window. The window counts columns, or
+    positions (increasing along each document's valid tokens, as restarting
+    position ids). The diagonal block holds each valid query attending itself.
+    """
+    first_id, last_id, first_valid, last_valid, uniform, any_valid = summaries.unbind(1)
+    blocks = summaries.shape[2]
+    q_block = torch.arange(blocks, device=summaries.device).unsqueeze(1)
+    kv_block = torch.arange(blocks, device=summaries.device).unsqueeze(0)
+    shared = last_id.unsqueeze(1) == first_id.unsqueeze(2)  # [batch, q block, kv block]
+    reach = (kv_block < q_block).unsqueeze(0) & shared
+    diagonal = (kv_block == q_block).unsqueeze(0) & (any_valid != 0).unsqueeze(2)
+    # Every key of block j precedes every query of block i (causal throughout).
+    full_causal = (kv_block + 1) * block_size <= q_block * block_size + 1
+    full = (uniform != 0).unsqueeze(2) & (uniform != 0).unsqueeze(1) & shared & full_causal.unsqueeze(0)
+    if window is not None:
+        reach = reach & (first_valid.unsqueeze(2) - last_valid.unsqueeze(1) < window)
+        full = full & (last_valid.unsqueeze(2) - first_valid.unsqueeze(1) < window)
+    present = reach | diagonal
+    if not separate_full:
+        return present, torch.zeros_like(present)
+    return present & ~full, full
+
+
+@packfn_op(
+    "document_block_tables", fake=_document_block_tables_fake, outputs=DocumentBlockTables, gpu="block_tables_kernels"
+)
+def document_block_tables_op(
     document_ids: torch.Tensor,
     block_size: int,
     window: int | None,
     separate_full: bool,
     positions: torch.Tensor | None,
     check: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    # Ids never decrease along the valid tokens of a row, so a key block j
-    # strictly before query block i shares a document with it only through
-    # its last id, which must be the first id of block i; the nearest pair is
-    # (last valid key of j, first valid query of i), which decides the window.
-    # The window counts columns, or ``positions`` [batch, sequence] where
-    # given (increasing along each document's valid tokens, as restarting
-    # position ids).
-    # The diagonal block holds each valid query attending itself.
-    batch, sequence = document_ids.shape
-    blocks = cdiv(sequence, block_size)
-    unpadded = document_ids.to(torch.int64)
-    ids = F.pad(unpadded, (0, blocks * block_size - sequence)).reshape(batch, blocks, block_size)
-    valid = ids != 0
-    columns = torch.arange(blocks * block_size, device=ids.device).reshape(blocks, block_size)
-    past_end = blocks * block_size + 1
-    last_id = ids.amax(dim=2)  # 0 for a block without a valid token
-    # A block without a valid token gets first id -1, which no block's last
-    # id (0 or a positive id) equals, so it shares a document with no block.
-    # (Any positive sentinel is a legal id that a real block may end with.)
-    first_id = torch.where(valid, ids, torch.iinfo(torch.int64).max).amin(dim=2)
-    first_id = torch.where(valid.any(dim=2), first_id, -1)
-    last_valid = torch.where(valid, columns, -past_end).amax(dim=2)
-    first_valid = torch.where(valid, columns, past_end).amin(dim=2)
-    # A full block: every slot valid and one id throughout (slots past the
-    # sequence are padding, so an edge block is never full, as in create_block_mask).
-    uniform = valid.all(dim=2) & (first_id == last_id)
-
-    q_block = torch.arange(blocks, device=ids.device).unsqueeze(1)
-    kv_block = torch.arange(blocks, device=ids.device).unsqueeze(0)
-    shared = last_id.unsqueeze(1) == first_id.unsqueeze(2)  # [batch, q block, kv block]
-    before = (kv_block < q_block).unsqueeze(0)
-    diagonal = (kv_block == q_block).unsqueeze(0) & valid.any(dim=2).unsqueeze(2)
-    # Every key of block j precedes every query of block i (causal throughout).
-    full_causal = (kv_block + 1) * block_size <= q_block * block_size + 1
-    full = uniform.unsqueeze(2) & uniform.unsqueeze(1) & shared & full_causal.unsqueeze(0)
-    reach = before & shared
-    if window is not None:
-        if positions is not None:
-            # The same tokens, measured in positions: gather them by index in the block.
-            coordinates = F.pad(positions.to(torch.int64), (0, blocks * block_size - sequence))
-            coordinates = coordinates.view(batch, blocks, block_size)
-            first_valid = coordinates.gather(2, (first_valid % block_size).unsqueeze(2)).squeeze(2)
-            last_valid = coordinates.gather(2, (last_valid % block_size).unsqueeze(2)).squeeze(2)
-        nearest = first_valid.unsqueeze(2) - last_valid.unsqueeze(1)
-        reach = reach & (nearest < window)
-        # A full pair (both blocks valid throughout, one document) stays full
-        # when its farthest pair is within the window.
-        farthest = last_valid.unsqueeze(2) - first_valid.unsqueeze(1)
-        full = full & (farthest < window)
-    present = reach | diagonal
-    if separate_full:
-        partial = present & ~full
-    else:
-        partial, full = present, torch.zeros_like(present)
-    kv_num_blocks, kv_indices = _ordered(partial.unsqueeze(1))
-    full_kv_num_blocks, full_kv_indices = _ordered(full.unsqueeze(1))
-    return kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, mask_flags(unpadded, check)
+) -> tuple[
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor,
+]:
+    summaries = block_summaries(document_ids, block_size, window, positions)
+    partial, full = block_pairs(summaries, block_size, window, separate_full)
+    # The query side is the key side transposed, ordered alike (as BlockMask.from_kv_blocks makes it).
+    tables = [_ordered(flags.unsqueeze(1)) for flags in (partial, full, partial.mT, full.mT)]
+    return (*(table for pair in tables for table in pair), mask_flags(document_ids.to(torch.int64), check))

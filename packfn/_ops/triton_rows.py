@@ -1,4 +1,4 @@
-"""Triton kernels for the metadata ops that parse a mask (or batch-major metadata) on CUDA: two launches each.
+"""Triton kernels for the ops that parse a mask (or batch-major metadata) on CUDA: two launches each.
 
 NOTE [Two launches on a GPU]
 Written as aten ops, a mask parse is a chain of scans, scatters, reductions
@@ -23,6 +23,14 @@ launches before, needs only the one pass of ``_position_rows``):
    document; program 0 writes the totals.
 
 ``mask_flags``, the rule check of the block masks, is (1) alone on CUDA.
+``document_block_tables`` (``document_block_mask``'s op) takes each block's
+summary from one reduction by aten, then ``_block_tables``, one program per
+block, writes all eight tables of a ``BlockMask``: the key blocks each query
+block sees, and the query blocks that see each key block, partial and
+full, each ordered as ``create_block_mask`` orders them, where the aten
+body sorts four ``[B, 1, Q, K]`` tables and ``BlockMask.from_kv_blocks``
+derived the query side in ten launches more (``document_block_mask``: 4
+launches with its rule check, where it launched 16).
 
 The rule flags are reduced from (1) by aten, one small reduction per rule,
 so that Inductor fuses them with the public function's asserts into one
@@ -63,8 +71,12 @@ import triton
 import triton.language as tl
 from torch.library import wrap_triton
 
+from packfn._ops.masks import block_summaries
+from packfn._ops.metadata import mask_flags
+
 __all__ = [
     "batch_kernels",
+    "block_tables_kernels",
     "flatten_kernels",
     "mask_flags_kernels",
     "physical_varlen_kernels",
@@ -75,6 +87,7 @@ __all__ = [
 
 BLOCK = 1024  # columns a program reads at a time
 ROWS = 128  # rows a program sums at a time to learn the rows before it
+CHUNK = 1024  # blocks a program of _block_tables reads at a time
 STATS = 6  # valid tokens, documents, longest document, a negative id, a decrease, a gap in a document
 FLATTEN_STATS = 7  # valid tokens, documents, last boundary, the four FLATTEN_RULES
 
@@ -525,6 +538,115 @@ def _position_rows(ids, positions, stats, sequence, BLOCK: tl.constexpr):
     tl.store(stats + row * 2 + 1, decrease)
 
 
+# ------------------------------------------------------------------ block tables
+
+
+@triton.jit
+def _block_pairs(
+    q, kv, q_first_id, q_first, q_last, q_uniform, q_valid, kv_last_id, kv_first, kv_last, kv_uniform,
+    block_size, window, WINDOW: tl.constexpr, SEPARATE: tl.constexpr,
+):  # fmt: skip
+    """Whether query block ``q`` sees key block ``kv`` in part, and in full: ``block_pairs``' rule, on values."""
+    shared = kv_last_id == q_first_id
+    reach = (kv < q) & shared
+    full = (q_uniform != 0) & (kv_uniform != 0) & shared & ((kv + 1) * block_size <= q * block_size + 1)
+    if WINDOW:
+        reach = reach & (q_first - kv_last < window)
+        full = full & (q_last - kv_first < window)
+    present = reach | ((kv == q) & (q_valid != 0))
+    if SEPARATE:
+        return present & ~full, full
+    return present, full & False
+
+
+@triton.jit
+def _slots(flags, seen, count, j):
+    """Where blocks ``j`` go in an ordered table: the present ones (``flags``) first, ascending, then the others."""
+    before = seen + _running_sum(flags) - flags
+    return tl.where(flags != 0, before, count + j - before)
+
+
+@triton.jit
+def _block_tables(
+    summaries,
+    kv_num_blocks,
+    kv_indices,
+    full_kv_num_blocks,
+    full_kv_indices,
+    q_num_blocks,
+    q_indices,
+    full_q_num_blocks,
+    full_q_indices,
+    blocks,
+    block_size,
+    window,
+    WINDOW: tl.constexpr,
+    SEPARATE: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
+    """Program ``b * blocks + i``: the key blocks of query block ``i`` and the query blocks of key block ``i``,
+    partial and full, each table ordered as ``create_block_mask`` orders it."""
+    program = tl.program_id(0).to(tl.int64)
+    i = program % blocks
+    # summaries: int64 [batch, 6, blocks] (block_summaries).
+    base = summaries + (program - i) * 6
+    first_id = tl.load(base + i)
+    last_id = tl.load(base + blocks + i)
+    first = tl.load(base + 2 * blocks + i)
+    last = tl.load(base + 3 * blocks + i)
+    uniform = tl.load(base + 4 * blocks + i)
+    valid = tl.load(base + 5 * blocks + i)
+    row = program * blocks
+    kv_count = tl.zeros((), tl.int64)
+    full_kv_count = tl.zeros((), tl.int64)
+    q_count = tl.zeros((), tl.int64)
+    full_q_count = tl.zeros((), tl.int64)
+    # Step 0 counts each table's present blocks; step 1, knowing them, writes every slot once.
+    for step in range(2):
+        kv_seen = tl.zeros((), tl.int64)
+        full_kv_seen = tl.zeros((), tl.int64)
+        q_seen = tl.zeros((), tl.int64)
+        full_q_seen = tl.zeros((), tl.int64)
+        for begin in range(0, blocks, CHUNK):
+            j = begin + tl.arange(0, CHUNK).to(tl.int64)
+            inside = j < blocks
+            write = inside & (step == 1)
+            j_first_id = tl.load(base + j, mask=inside, other=-1)
+            j_last_id = tl.load(base + blocks + j, mask=inside, other=-1)
+            j_first = tl.load(base + 2 * blocks + j, mask=inside, other=0)
+            j_last = tl.load(base + 3 * blocks + j, mask=inside, other=0)
+            j_uniform = tl.load(base + 4 * blocks + j, mask=inside, other=0)
+            j_valid = tl.load(base + 5 * blocks + j, mask=inside, other=0)
+            kv_partial, kv_full = _block_pairs(
+                i, j, first_id, first, last, uniform, valid, j_last_id, j_first, j_last, j_uniform,
+                block_size, window, WINDOW, SEPARATE,
+            )  # fmt: skip
+            q_partial, q_full = _block_pairs(
+                j, i, j_first_id, j_first, j_last, j_uniform, j_valid, last_id, first, last, uniform,
+                block_size, window, WINDOW, SEPARATE,
+            )  # fmt: skip
+            flags = (kv_partial & inside).to(tl.int64)
+            tl.store(kv_indices + row + _slots(flags, kv_seen, kv_count, j), j.to(tl.int32), mask=write)
+            kv_seen += tl.sum(flags, 0)
+            flags = (kv_full & inside).to(tl.int64)
+            tl.store(full_kv_indices + row + _slots(flags, full_kv_seen, full_kv_count, j), j.to(tl.int32), mask=write)
+            full_kv_seen += tl.sum(flags, 0)
+            flags = (q_partial & inside).to(tl.int64)
+            tl.store(q_indices + row + _slots(flags, q_seen, q_count, j), j.to(tl.int32), mask=write)
+            q_seen += tl.sum(flags, 0)
+            flags = (q_full & inside).to(tl.int64)
+            tl.store(full_q_indices + row + _slots(flags, full_q_seen, full_q_count, j), j.to(tl.int32), mask=write)
+            full_q_seen += tl.sum(flags, 0)
+        kv_count = kv_seen
+        full_kv_count = full_kv_seen
+        q_count = q_seen
+        full_q_count = full_q_seen
+    tl.store(kv_num_blocks + program, kv_count.to(tl.int32))
+    tl.store(full_kv_num_blocks + program, full_kv_count.to(tl.int32))
+    tl.store(q_num_blocks + program, q_count.to(tl.int32))
+    tl.store(full_q_num_blocks + program, full_q_count.to(tl.int32))
+
+
 def _row_ids(document_ids: torch.Tensor) -> torch.Tensor:
     """The mask as the kernels read it: contiguous, bool as uint8."""
     ids = document_ids.view(torch.uint8) if document_ids.dtype == torch.bool else document_ids
@@ -677,3 +799,32 @@ def position_kernels(document_ids: torch.Tensor):
     wrap_triton(_position_rows)[(batch,)](ids, positions, stats, sequence, BLOCK=BLOCK)
     # The third rule (too many documents) has no cap here: never broken, as in the aten body.
     return positions, torch.stack([stats[:, 0].any(), stats[:, 1].any(), stats.new_zeros((), dtype=torch.bool)])
+
+
+def block_tables_kernels(
+    document_ids: torch.Tensor,
+    block_size: int,
+    window: int | None,
+    separate_full: bool,
+    positions: torch.Tensor | None,
+    check: bool,
+):
+    """``packfn::document_block_tables``: the blocks' summaries by aten (one fused reduction), then one launch of
+    ``_block_tables`` for all eight tables, where the aten body sorts four ``[B, 1, Q, K]`` tables."""
+    summaries = block_summaries(document_ids, block_size, window, positions)
+    batch, _, blocks = summaries.shape
+    new = summaries.new_empty
+    tables = []
+    for _ in range(4):
+        tables += [new(batch, 1, blocks, dtype=torch.int32), new(batch, 1, blocks, blocks, dtype=torch.int32)]
+    wrap_triton(_block_tables)[(batch * blocks,)](
+        summaries,
+        *tables,
+        blocks,
+        block_size,
+        0 if window is None else window,
+        WINDOW=window is not None,
+        SEPARATE=separate_full,
+        CHUNK=CHUNK,
+    )
+    return (*tables, mask_flags(document_ids.to(torch.int64), check))

@@ -175,8 +175,8 @@ def test_opcheck_every_op():
     cases = [
         (torch.ops.packfn.block_causal_mask.default, (EXAMPLE, True)),
         (torch.ops.packfn.physical_varlen_metadata.default, (EXAMPLE,)),
-        (torch.ops.packfn.document_kv_blocks.default, (EXAMPLE, 4, None, True, None, True)),
-        (torch.ops.packfn.document_kv_blocks.default, (EXAMPLE.int(), 3, 2, False, None, True)),
+        (torch.ops.packfn.document_block_tables.default, (EXAMPLE, 4, None, True, None, True)),
+        (torch.ops.packfn.document_block_tables.default, (EXAMPLE.int(), 3, 2, False, None, True)),
         (torch.ops.packfn.unpad.default, (values, metadata.indices, metadata.num_tokens)),
         (torch.ops.packfn.pad.default, (rows, metadata.indices, metadata.num_tokens, 6)),
     ]
@@ -192,7 +192,7 @@ class PackedAttention(torch.nn.Module):
         dense = F.scaled_dot_product_attention(heads, heads, heads, attn_mask=block).transpose(1, 2)
         round_trip = packfn.pad(packfn.unpad(q, metadata) * 2, metadata)
         varlen = packfn.physical_varlen_metadata(mask)
-        blocks = mask_ops.document_kv_blocks_op(mask, 2, None, True, None, True)
+        blocks = mask_ops.document_block_tables_op(mask, 2, None, True, None, True)
         return dense, round_trip, varlen.cu_seqlens, blocks[1]
 
 
@@ -201,7 +201,7 @@ def test_export_round_trip():
     q = torch.randn(2, 6, HEADS, DIM, dtype=torch.float64)
     exported = torch.export.export(module, (q, EXAMPLE))
     targets = {str(node.target) for node in exported.graph.nodes if node.op == "call_function"}
-    for name in ("block_causal_mask", "unpad", "pad", "physical_varlen_metadata", "document_kv_blocks"):
+    for name in ("block_causal_mask", "unpad", "pad", "physical_varlen_metadata", "document_block_tables"):
         assert f"packfn.{name}.default" in targets
     expected = module(q, EXAMPLE)
     for got, want in zip(exported.module()(q, EXAMPLE), expected, strict=True):

@@ -191,7 +191,7 @@ SAMPLES = {
     "physical_varlen_metadata": _document_ids_samples,
     "position_ids": _document_ids_samples,
     "document_positions": _document_ids_samples,
-    "document_kv_blocks": _kv_block_samples,
+    "document_block_tables": _kv_block_samples,
     "unpad": _unpad_samples,
     "pad": _pad_samples,
 }

@@ -65,9 +65,9 @@ def test_static_functions_assert_mask_rules_without_sync(function, mask, message
     "op",
     [
         lambda ids: mask_ops.block_causal_mask_op(ids, True),
-        lambda ids: mask_ops.document_kv_blocks_op(ids, 2, None, True, None, True),
+        lambda ids: mask_ops.document_block_tables_op(ids, 2, None, True, None, True),
     ],
-    ids=["block_causal_mask", "document_kv_blocks"],
+    ids=["block_causal_mask", "document_block_tables"],
 )
 def test_ops_report_broken_rules_instead_of_raising(op):
     # One flag per rule of the mask family's table; the third (more documents

@@ -25,6 +25,7 @@ from triton.runtime import interpreter
 import packfn
 from packfn._ops import _registry, triton_rows
 from packfn._ops import formats as format_ops
+from packfn._ops import masks as mask_ops
 from packfn._ops import metadata as ops
 from packfn._ops import varlen as varlen_ops
 
@@ -82,14 +83,14 @@ def _interpreted_launch():
         yield
 
 
-def _sized(block: int, rows: int):
-    return mock.patch.multiple(triton_rows, BLOCK=block, ROWS=rows)
+def _sized(block: int, rows: int, chunk: int):
+    return mock.patch.multiple(triton_rows, BLOCK=block, ROWS=rows, CHUNK=chunk)
 
 
 @pytest.fixture
 def small():
-    """Blocks of 8 columns, groups of 2 rows."""
-    with _sized(8, 2):
+    """Blocks of 8 columns, groups of 2 rows, chunks of 4 attention blocks."""
+    with _sized(8, 2, 4):
         yield triton_rows
 
 
@@ -264,3 +265,67 @@ def test_public_functions_take_the_kernels_on_a_gpu_tensor(small, name):
     ):
         assert_same(tuple(PUBLIC[name](mask)), tuple(expected))
     assert launched == [{"packed_position_ids": "position"}.get(name, name.removesuffix("_metadata")) + "_kernels"]
+
+
+TABLES = mask_ops.document_block_tables_op
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    mask=packing_masks(max_sequence=40, max_batch=4),
+    block_size=st.sampled_from([1, 2, 3, 8, 64]),
+    window=st.one_of(st.none(), st.integers(1, 12)),
+    separate=st.booleans(),
+    by_position=st.booleans(),
+)
+@example(  # a block of padding inside a document: its blocks are not one range
+    mask=torch.tensor([[1] * 9 + [0] * 9 + [1] * 3 + [2] * 10]),
+    block_size=2,
+    window=None,
+    separate=True,
+    by_position=False,
+)
+@example(mask=torch.tensor([[1, 1, 0, 0, 1, 1]]), block_size=2, window=4, separate=True, by_position=True)
+def test_block_tables_kernels_match_the_decomposition(small, mask, block_size, window, separate, by_position):
+    """All eight tables (query side included) and the flags; chunks of 4 blocks make the tables span several."""
+    positions = packfn.packed_position_ids(mask) if by_position else None
+    arguments = (mask, block_size, window, separate, positions, True)
+    assert_same(tuple(small.block_tables_kernels(*arguments)), tuple(TABLES.math(*arguments)))
+
+
+@pytest.mark.parametrize("name", sorted(BROKEN))
+def test_block_tables_kernels_report_the_same_broken_rules(small, name):
+    mask = torch.tensor(BROKEN[name])
+    for check in (True, False):
+        arguments = (mask, 1, None, True, None, check)
+        assert_same(tuple(small.block_tables_kernels(*arguments)), tuple(TABLES.math(*arguments)))
+
+
+def test_block_tables_kernels_at_their_shipped_chunk():
+    """1024 blocks a chunk, most of it masked off here (crossing chunks is tested with chunks of 4: a program
+    per block makes 1025 blocks take minutes in the interpreter)."""
+    assert triton_rows.CHUNK == 1024
+    mask = random_mask(2, 100, seed=2, documents=8)
+    arguments = (mask, 8, 40, True, None, True)
+    assert_same(tuple(triton_rows.block_tables_kernels(*arguments)), tuple(TABLES.math(*arguments)))
+
+
+def test_document_block_mask_takes_the_kernels_on_a_gpu_tensor(small):
+    """The BlockMask the public function builds from the kernels' tables is the one it builds on the CPU."""
+    mask = PackedRows(30, ((5, 7, 3), (30,), (4, 4, 1, 1))).document_ids
+    expected = packfn.document_block_mask(mask, block_size=4, window=6)
+    launched = []
+
+    def body(kernels):
+        launched.append(kernels)
+        return getattr(small, kernels)
+
+    with (
+        mock.patch.object(_registry, "gpu_kernels", lambda tensor: True),
+        mock.patch.object(_registry, "gpu_body", body),
+    ):
+        got = packfn.document_block_mask(mask, block_size=4, window=6)
+    assert launched == ["block_tables_kernels", "mask_flags_kernels"]
+    fields = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices")
+    fields += tuple(field.replace("kv", "q") for field in fields)
+    assert_same(tuple(getattr(got, field) for field in fields), tuple(getattr(expected, field) for field in fields))
