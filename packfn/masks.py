@@ -96,8 +96,12 @@ def check_window(window: object, name: str = "window") -> int | None:
 def _check_positions(positions: object, document_ids: torch.Tensor) -> None:
     if positions is None:
         return
-    if not isinstance(positions, torch.Tensor) or positions.dtype.is_floating_point or positions.dtype == torch.bool:
-        raise TypeError("positions must be an integer tensor, such as packed_position_ids(document_ids)")
+    signed = (torch.int8, torch.int16, torch.int32, torch.int64)
+    if not isinstance(positions, torch.Tensor) or positions.dtype not in signed:
+        kind = positions.dtype if isinstance(positions, torch.Tensor) else type(positions).__name__
+        raise TypeError(
+            f"positions must be a signed integer tensor, such as packed_position_ids(document_ids), got {kind}"
+        )
     if positions.shape != document_ids.shape:
         raise ValueError(
             f"positions must have the shape of document_ids {tuple(document_ids.shape)}, got {tuple(positions.shape)}"
@@ -174,6 +178,12 @@ def document_block_mask(
         separate_full_blocks: As ``create_block_mask``: store fully unmasked
             blocks apart so kernels skip ``mask_mod`` on them.
         positions: Measure the window in these positions, as :func:`document_mask_mod`.
+            They must increase along each document's valid tokens (as
+            :func:`packed_position_ids` does): the tables are found from
+            each block's first and last valid positions, and are not checked
+            against positions that go back (the ``mask_mod`` still follows
+            them, so eager FlexAttention on the CPU, which ignores the
+            tables, would hide the difference).
 
     Returns:
         A ``BlockMask`` with one head (broadcast over heads), ``kv_num_blocks``

@@ -158,3 +158,17 @@ def test_document_block_mask_equals_create_block_mask_when_an_id_is_blocks_times
     )
     for field in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices"):
         assert_same(getattr(ours, field), getattr(reference, field))
+
+
+@pytest.mark.parametrize(
+    "positions",
+    [torch.zeros(2, 6), torch.zeros(2, 6, dtype=torch.bool), torch.zeros(2, 6, dtype=torch.uint32),
+     torch.zeros(2, 6, dtype=torch.complex64), [[0] * 6] * 2],
+    ids=["float", "bool", "uint32", "complex", "list"],
+)  # fmt: skip
+def test_positions_must_be_a_signed_integer_tensor(positions):
+    # Unsigned positions would reach mask_mod, which FlexAttention cannot subtract in (uint32); complex ones lose
+    # their imaginary part.
+    for function in (packfn.document_block_mask, packfn.document_mask_mod):
+        with pytest.raises(TypeError, match="positions must be a signed integer tensor"):
+            function(EXAMPLE, window=2, positions=positions)
