@@ -286,6 +286,9 @@ TABLES = mask_ops.document_block_tables_op
     by_position=False,
 )
 @example(mask=torch.tensor([[1, 1, 0, 0, 1, 1]]), block_size=2, window=4, separate=True, by_position=True)
+@example(mask=torch.tensor([[1] * 8]), block_size=2, window=1, separate=True, by_position=False)  # window = distance
+@example(mask=torch.tensor([[1] * 8]), block_size=2, window=3, separate=True, by_position=False)  # full to the window
+@example(mask=torch.tensor([[1] * 4]), block_size=1, window=None, separate=True, by_position=False)  # full diagonal
 def test_block_tables_kernels_match_the_decomposition(small, mask, block_size, window, separate, by_position):
     """All eight tables (query side included) and the flags; chunks of 4 blocks make the tables span several."""
     positions = packfn.packed_position_ids(mask) if by_position else None
