@@ -560,10 +560,13 @@ def _block_pairs(
 
 
 @triton.jit
-def _slots(flags, seen, count, j):
-    """Where blocks ``j`` go in an ordered table: the present ones (``flags``) first, ascending, then the others."""
+def _store_ordered(table, present, seen, count, j, write):
+    """Blocks ``j`` into their slots of an ordered table row: those ``present`` first, ascending, then the others,
+    ``seen`` present ones and ``count`` in all before; returns ``seen`` past these."""
+    flags = present.to(tl.int64)
     before = seen + _running_sum(flags) - flags
-    return tl.where(flags != 0, before, count + j - before)
+    tl.store(table + tl.where(flags != 0, before, count + j - before), j.to(tl.int32), mask=write)
+    return seen + tl.sum(flags, 0)
 
 
 @triton.jit
@@ -625,18 +628,12 @@ def _block_tables(
                 j, i, j_first_id, j_first, j_last, j_uniform, j_valid, last_id, first, last, uniform,
                 block_size, window, WINDOW, SEPARATE,
             )  # fmt: skip
-            flags = (kv_partial & inside).to(tl.int64)
-            tl.store(kv_indices + row + _slots(flags, kv_seen, kv_count, j), j.to(tl.int32), mask=write)
-            kv_seen += tl.sum(flags, 0)
-            flags = (kv_full & inside).to(tl.int64)
-            tl.store(full_kv_indices + row + _slots(flags, full_kv_seen, full_kv_count, j), j.to(tl.int32), mask=write)
-            full_kv_seen += tl.sum(flags, 0)
-            flags = (q_partial & inside).to(tl.int64)
-            tl.store(q_indices + row + _slots(flags, q_seen, q_count, j), j.to(tl.int32), mask=write)
-            q_seen += tl.sum(flags, 0)
-            flags = (q_full & inside).to(tl.int64)
-            tl.store(full_q_indices + row + _slots(flags, full_q_seen, full_q_count, j), j.to(tl.int32), mask=write)
-            full_q_seen += tl.sum(flags, 0)
+            kv_seen = _store_ordered(kv_indices + row, kv_partial & inside, kv_seen, kv_count, j, write)
+            full_kv_seen = _store_ordered(
+                full_kv_indices + row, kv_full & inside, full_kv_seen, full_kv_count, j, write
+            )
+            q_seen = _store_ordered(q_indices + row, q_partial & inside, q_seen, q_count, j, write)
+            full_q_seen = _store_ordered(full_q_indices + row, q_full & inside, full_q_seen, full_q_count, j, write)
         kv_count = kv_seen
         full_kv_count = full_kv_seen
         q_count = q_seen
