@@ -12,6 +12,7 @@ exercised; one test keeps the shipped sizes.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from unittest import mock
 
@@ -248,21 +249,28 @@ def _batch_major(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return parsed.packed_token_indices, parsed.cu_seqlens
 
 
-@pytest.mark.parametrize("name", sorted(PUBLIC))
-def test_public_functions_take_the_kernels_on_a_gpu_tensor(small, name):
-    """In eager the op's kernel launches the Triton kernels where ``gpu_kernels`` says (a CUDA tensor)."""
-    mask = PackedRows(30, ((5, 7, 3), (30,), (4, 4, 1, 1))).document_ids  # as a packer emits it: THD's rules hold
-    expected = PUBLIC[name](mask)
+@contextlib.contextmanager
+def _as_on_a_gpu(module):
+    """Ops take their Triton kernels from ``module`` as on a CUDA tensor; yields the names launched, in order."""
     launched = []
 
     def body(kernels):
         launched.append(kernels)
-        return getattr(small, kernels)
+        return getattr(module, kernels)
 
     with (
         mock.patch.object(_registry, "gpu_kernels", lambda tensor: True),
         mock.patch.object(_registry, "gpu_body", body),
     ):
+        yield launched
+
+
+@pytest.mark.parametrize("name", sorted(PUBLIC))
+def test_public_functions_take_the_kernels_on_a_gpu_tensor(small, name):
+    """In eager the op's kernel launches the Triton kernels where ``gpu_kernels`` says (a CUDA tensor)."""
+    mask = PackedRows(30, ((5, 7, 3), (30,), (4, 4, 1, 1))).document_ids  # as a packer emits it: THD's rules hold
+    expected = PUBLIC[name](mask)
+    with _as_on_a_gpu(small) as launched:
         assert_same(tuple(PUBLIC[name](mask)), tuple(expected))
     assert launched == [{"packed_position_ids": "position"}.get(name, name.removesuffix("_metadata")) + "_kernels"]
 
@@ -317,16 +325,7 @@ def test_document_block_mask_takes_the_kernels_on_a_gpu_tensor(small):
     """The BlockMask the public function builds from the kernels' tables is the one it builds on the CPU."""
     mask = PackedRows(30, ((5, 7, 3), (30,), (4, 4, 1, 1))).document_ids
     expected = packfn.document_block_mask(mask, block_size=4, window=6)
-    launched = []
-
-    def body(kernels):
-        launched.append(kernels)
-        return getattr(small, kernels)
-
-    with (
-        mock.patch.object(_registry, "gpu_kernels", lambda tensor: True),
-        mock.patch.object(_registry, "gpu_body", body),
-    ):
+    with _as_on_a_gpu(small) as launched:
         got = packfn.document_block_mask(mask, block_size=4, window=6)
     assert launched == ["block_tables_kernels", "mask_flags_kernels"]
     fields = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices")
