@@ -75,6 +75,8 @@ __all__ = [
     "document_ids_from_seq_lens_op",
     "document_positions_op",
     "eos_rules",
+    "held",
+    "holds",
     "position_id_rules",
     "position_ids_op",
     "seq_idx_from_document_ids_op",
@@ -326,7 +328,7 @@ class IdsOutputs(NamedTuple):
     broken: torch.Tensor  # bool [len(rules)]
 
 
-def _holds(dtype: torch.dtype, value: int) -> bool:
+def holds(dtype: torch.dtype, value: int) -> bool:
     """Whether ``dtype`` holds ``value`` (a tensor compared with an int it cannot hold wraps it: uint8 256 == 0)."""
     if dtype == torch.bool:
         return value in (0, 1)
@@ -338,7 +340,7 @@ def _valid_tokens(
 ) -> torch.Tensor | None:
     """Bool ``[B, S]``: not padding (a nonzero mask entry, a value other than ``pad_value``); None without padding."""
     valid = None if attention_mask is None else attention_mask != 0
-    if pad_value is not None and _holds(values.dtype, pad_value):  # a value the dtype cannot hold marks nothing
+    if pad_value is not None and holds(values.dtype, pad_value):  # a value the dtype cannot hold marks nothing
         real = values != pad_value
         valid = real if valid is None else valid & real
     return valid
@@ -379,7 +381,11 @@ def _from_position_ids_eager(
 
 
 @packfn_op(
-    "document_ids_from_position_ids", fake=_from_position_ids_fake, outputs=IdsOutputs, eager=_from_position_ids_eager
+    "document_ids_from_position_ids",
+    fake=_from_position_ids_fake,
+    outputs=IdsOutputs,
+    eager=_from_position_ids_eager,
+    gpu="position_id_kernels",
 )
 def document_ids_from_position_ids_op(
     position_ids: torch.Tensor, attention_mask: torch.Tensor | None, pad_position: int | None, start: int | None
@@ -440,15 +446,15 @@ def _from_eos_fake(
     )
 
 
-def _held(dtype: torch.dtype, token_ids: list[int]) -> list[int]:
-    """The ids a token of ``dtype`` can equal (NOTE in :func:`_holds`)."""
-    return [token for token in token_ids if _holds(dtype, token)]
+def held(dtype: torch.dtype, token_ids: list[int]) -> list[int]:
+    """The ids a token of ``dtype`` can equal (NOTE in :func:`holds`)."""
+    return [token for token in token_ids if holds(dtype, token)]
 
 
 def _eos_documents(input_ids, attention_mask, eos_token_ids, bos, pad_token_id):
     """Document ids ``[B, S]`` (0 at padding), the marker tokens and the valid tokens (None without padding)."""
     markers = torch.zeros(input_ids.shape, dtype=torch.bool, device=input_ids.device)
-    for token in _held(input_ids.dtype, eos_token_ids):
+    for token in held(input_ids.dtype, eos_token_ids):
         markers = markers | (input_ids == token)
     valid = _valid_tokens(input_ids, attention_mask, pad_token_id)
     if bos:
@@ -472,7 +478,7 @@ def _eos_outputs(input_ids, documents, markers, valid, positions, vocab_size, re
         loss_mask = loss_mask & ~markers
     if vocab_size is None:
         outside = _false(input_ids)
-    elif _holds(input_ids.dtype, vocab_size):
+    elif holds(input_ids.dtype, vocab_size):
         outside = ((input_ids < 0) | (input_ids >= vocab_size)).any()
     else:  # every token the dtype holds is below vocab_size
         outside = (input_ids < 0).any()
@@ -496,7 +502,7 @@ def _from_eos_eager(
     if array is not None:
         return _eos_runs_cpu(
             array,
-            _held(input_ids.dtype, eos_token_ids),
+            held(input_ids.dtype, eos_token_ids),
             bos,
             vocab_size,
             reset_position_ids,
@@ -538,7 +544,13 @@ def _eos_positions(documents: torch.Tensor, valid: torch.Tensor | None) -> torch
     return _positions_math(documents, padding=valid is not None)[0]
 
 
-@packfn_op("document_ids_from_eos", fake=_from_eos_fake, outputs=EosDocumentsOutputs, eager=_from_eos_eager)
+@packfn_op(
+    "document_ids_from_eos",
+    fake=_from_eos_fake,
+    outputs=EosDocumentsOutputs,
+    eager=_from_eos_eager,
+    gpu="eos_kernels",
+)
 def document_ids_from_eos_op(
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor | None,
@@ -633,7 +645,13 @@ def _from_seq_lens_eager(seq_lens: torch.Tensor, sequence: int) -> tuple[torch.T
     return _ids_from_lengths_cpu(table, sequence), torch.from_numpy(broken)
 
 
-@packfn_op("document_ids_from_seq_lens", fake=_from_seq_lens_fake, outputs=IdsOutputs, eager=_from_seq_lens_eager)
+@packfn_op(
+    "document_ids_from_seq_lens",
+    fake=_from_seq_lens_fake,
+    outputs=IdsOutputs,
+    eager=_from_seq_lens_eager,
+    gpu="seq_lens_kernels",
+)
 def document_ids_from_seq_lens_op(seq_lens: torch.Tensor, sequence: int) -> tuple[torch.Tensor, torch.Tensor]:
     lengths = seq_lens.to(torch.int64)
     return _ids_from_lengths(lengths.clamp(0, sequence + 1), sequence), _seq_lens_flags(lengths, sequence)
@@ -678,7 +696,7 @@ def _from_cu_seqlens_fake(cu_seqlens: torch.Tensor, batch: int, sequence: int, a
     return ids, cu_seqlens.new_empty(len(CU_SEQLENS_RULES), dtype=torch.bool)
 
 
-@packfn_op("document_ids_from_cu_seqlens", fake=_from_cu_seqlens_fake, outputs=IdsOutputs)
+@packfn_op("document_ids_from_cu_seqlens", fake=_from_cu_seqlens_fake, outputs=IdsOutputs, gpu="cu_seqlens_kernels")
 def document_ids_from_cu_seqlens_op(
     cu_seqlens: torch.Tensor, batch: int, sequence: int, attention_mask: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -71,16 +71,21 @@ import triton
 import triton.language as tl
 from torch.library import wrap_triton
 
+from packfn._ops import formats as format_ops
 from packfn._ops.masks import block_summaries
 from packfn._ops.metadata import mask_flags
 
 __all__ = [
     "batch_kernels",
     "block_tables_kernels",
+    "cu_seqlens_kernels",
+    "eos_kernels",
     "flatten_kernels",
     "mask_flags_kernels",
     "physical_varlen_kernels",
+    "position_id_kernels",
     "position_kernels",
+    "seq_lens_kernels",
     "thd_kernels",
     "varlen_kernels",
 ]
@@ -508,6 +513,20 @@ def _flatten_rows(
 
 
 @triton.jit
+def _positions(value, left, column, last_id, seen, first_seen, last_valid):
+    """A block's positions (NOTE [Position ids by two running maxima]) from its ids and their left ones, with its
+    ``_documents`` and the carries updated (values only, as in ``_documents``)."""
+    earlier, valid, starts, rank = _documents(value, left, last_id, seen)
+    counted = rank + valid.to(tl.int64)  # valid tokens up to and with each column
+    # The count at the latest document start, and the latest valid column, at or before each column.
+    first_seen = tl.maximum(tl.associative_scan(tl.where(starts, counted, 0), 0, _maximum), first_seen)
+    last_valid = tl.maximum(tl.associative_scan(tl.where(valid, column, -1), 0, _maximum), last_valid)
+    # A valid token: its rank in its document. Padding continues the count before it, or counts from 0.
+    position = tl.where(counted > 0, counted - first_seen + column - last_valid, column)
+    return position, earlier, valid, tl.max(first_seen, 0), tl.max(last_valid, 0)
+
+
+@triton.jit
 def _position_rows(ids, positions, stats, sequence, BLOCK: tl.constexpr):
     """Each token's position in its document (NOTE [Position ids by two running maxima]), and the row's flags."""
     row = tl.program_id(0).to(tl.int64)
@@ -520,22 +539,112 @@ def _position_rows(ids, positions, stats, sequence, BLOCK: tl.constexpr):
         inside = column < sequence
         value = tl.load(ids + column, mask=inside, other=0).to(tl.int64)
         left = tl.load(ids + column - 1, mask=inside & (column > 0), other=0).to(tl.int64)
-        earlier, valid, starts, rank = _documents(value, left, last_id, seen)
-        counted = rank + valid.to(tl.int64)  # valid tokens up to and with each column
-        # The count at the latest document start, and the latest valid column, at or before each column.
-        first_seen = tl.maximum(tl.associative_scan(tl.where(starts, counted, 0), 0, _maximum), first_seen)
-        last_valid = tl.maximum(tl.associative_scan(tl.where(valid, column, -1), 0, _maximum), last_valid)
-        # A valid token: its rank in its document. Padding continues the count before it, or counts from 0.
-        position = tl.where(counted > 0, counted - first_seen + column - last_valid, column)
+        position, earlier, valid, first_seen, last_valid = _positions(
+            value, left, column, last_id, seen, first_seen, last_valid
+        )
         tl.store(positions + column, position, mask=inside)
         negative = tl.maximum(negative, tl.max((value < 0).to(tl.int64), 0))
         decrease = tl.maximum(decrease, tl.max((valid & (value < earlier)).to(tl.int64), 0))
-        first_seen = tl.max(first_seen, 0)
-        last_valid = tl.max(last_valid, 0)
         last_id = tl.maximum(last_id, tl.max(value, 0))
         seen += tl.sum(valid.to(tl.int64), 0)
     tl.store(stats + row * 2, negative)
     tl.store(stats + row * 2 + 1, decrease)
+
+
+@triton.jit
+def _eos_rows(
+    tokens,
+    mask,
+    documents,
+    positions,
+    loss_mask,
+    stats,
+    sequence,
+    pad,
+    vocab_size,
+    marker_0,
+    marker_1,
+    marker_2,
+    marker_3,
+    MARKERS: tl.constexpr,
+    BOS: tl.constexpr,
+    MASKED: tl.constexpr,
+    PAD: tl.constexpr,
+    VOCAB: tl.constexpr,
+    RESET_POSITIONS: tl.constexpr,
+    RESET_DOCUMENTS: tl.constexpr,
+    EOD_MASK_LOSS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """``document_ids_from_eos``: a row's documents between its markers (``BOS``: a marker begins one, else it
+    ends one), their positions, the loss mask, and whether a token lies outside the vocabulary (``VOCAB``: 0 no
+    vocabulary, 1 one the dtype cannot reach, so only a negative token is outside; 2 both bounds)."""
+    row = tl.program_id(0).to(tl.int64)
+    tokens += row * sequence
+    zero = tl.full((), 0, tl.int64)
+    markers_before, last_id, seen, first_seen, last_valid, outside = zero, zero, zero, zero, zero - 1, zero
+    for begin in range(0, sequence, BLOCK):
+        column = begin + tl.arange(0, BLOCK)
+        inside = column < sequence
+        token = tl.load(tokens + column, mask=inside, other=0)
+        left_token = tl.load(tokens + column - 1, mask=inside & (column > 0), other=0)
+        marker = tl.zeros((BLOCK,), tl.int1)
+        left_marker = tl.zeros((BLOCK,), tl.int1)
+        if MARKERS > 0:
+            marker = marker | (token == marker_0)
+            left_marker = left_marker | (left_token == marker_0)
+        if MARKERS > 1:
+            marker = marker | (token == marker_1)
+            left_marker = left_marker | (left_token == marker_1)
+        if MARKERS > 2:
+            marker = marker | (token == marker_2)
+            left_marker = left_marker | (left_token == marker_2)
+        if MARKERS > 3:
+            marker = marker | (token == marker_3)
+            left_marker = left_marker | (left_token == marker_3)
+        left_marker = left_marker & (column > 0)
+        valid = inside
+        left_valid = inside & (column > 0)
+        if MASKED:
+            valid = valid & (tl.load(mask + row * sequence + column, mask=inside, other=0) != 0)
+            left = mask + row * sequence + column - 1
+            left_valid = left_valid & (tl.load(left, mask=inside & (column > 0), other=0) != 0)
+        if PAD:
+            valid = valid & (token != pad)
+            left_valid = left_valid & (left_token != pad)
+        # Each column's document, counted over the whole row, and the one to its left.
+        if BOS:
+            begins = marker | (column == 0)
+            document = markers_before + _running_sum(begins.to(tl.int64))
+            left_document = document - begins.to(tl.int64)
+        else:
+            document = markers_before + _running_sum(marker.to(tl.int64)) - marker.to(tl.int64) + 1
+            left_document = document - left_marker.to(tl.int64)
+            begins = marker
+        document = tl.where(valid, document, 0)
+        left_document = tl.where(left_valid, left_document, 0)
+        if RESET_POSITIONS:
+            position, _, _, first_seen, last_valid = _positions(
+                document, left_document, column, last_id, seen, first_seen, last_valid
+            )
+            last_id = tl.maximum(last_id, tl.max(document, 0))
+            seen += tl.sum(valid.to(tl.int64), 0)
+        else:
+            position = column.to(tl.int64)
+        if not RESET_DOCUMENTS:  # one document a row (Megatron's plain causal mask)
+            document = valid.to(tl.int64)
+        keep = valid
+        if EOD_MASK_LOSS:
+            keep = keep & ~marker
+        tl.store(documents + row * sequence + column, document, mask=inside)
+        tl.store(positions + row * sequence + column, position, mask=inside)
+        tl.store(loss_mask + row * sequence + column, keep, mask=inside)
+        if VOCAB == 1:
+            outside = tl.maximum(outside, tl.max((inside & (token < 0)).to(tl.int64), 0))
+        if VOCAB == 2:
+            outside = tl.maximum(outside, tl.max((inside & ((token < 0) | (token >= vocab_size))).to(tl.int64), 0))
+        markers_before += tl.sum(begins.to(tl.int64), 0)
+    tl.store(stats + row, outside)
 
 
 # ------------------------------------------------------------------ block tables
@@ -642,6 +751,171 @@ def _block_tables(
     tl.store(full_kv_num_blocks + program, full_kv_count.to(tl.int32))
     tl.store(q_num_blocks + program, q_count.to(tl.int32))
     tl.store(full_q_num_blocks + program, full_q_count.to(tl.int32))
+
+
+# ------------------------------------------------------------------ conversions
+
+
+@triton.jit
+def _at_or_before(bounds, width, count, last, limit, column, TABLE: tl.constexpr):
+    """How many of a row's ``width`` sorted boundaries lie at or before each column: a binary search per column.
+
+    ``TABLE``: ``bounds`` is a cu_seqlens table, read as the aten body reads
+    it (its first ``count`` entries, then ``last``, clamped to ``[0, limit]``);
+    else running sums a kernel wrote. The result only goes into stored values,
+    never into a store's address (NOTE [Two launches on a GPU]).
+    """
+    step = tl.full((), 1, tl.int64)
+    while step * 2 <= width:
+        step *= 2
+    found = tl.zeros(column.shape, tl.int64)
+    while step > 0:
+        # Uniform binary search: take ``step`` more boundaries wherever the last of them is at or before the column.
+        taken = found + step
+        inside = taken <= width
+        value = tl.load(bounds + taken - 1, mask=inside, other=0).to(tl.int64)
+        if TABLE:
+            value = tl.minimum(tl.maximum(tl.where(taken - 1 < count, value, last), 0), limit)
+        found = tl.where(inside & (value <= column), taken, found)
+        step = step // 2
+    return found
+
+
+@triton.jit
+def _length_rows(lengths, ends, ids, stats, width, sequence, BLOCK: tl.constexpr):
+    """``document_ids_from_seq_lens``: a row's ends (running sums of its lengths, each clamped to ``[0, sequence +
+    1]`` as the aten body clamps them), then each column's 1-based document, 0 past the row's last end."""
+    row = tl.program_id(0).to(tl.int64)
+    lengths += row * width
+    ends += row * width
+    ids += row * sequence
+    zero = tl.full((), 0, tl.int64)
+    total, negative = zero, zero
+    for begin in range(0, width, BLOCK):
+        slot = begin + tl.arange(0, BLOCK)
+        length = tl.load(lengths + slot, mask=slot < width, other=0).to(tl.int64)
+        negative = tl.maximum(negative, tl.max((length < 0).to(tl.int64), 0))
+        end = total + _running_sum(tl.minimum(tl.maximum(length, 0), sequence + 1))
+        tl.store(ends + slot, end, mask=slot < width)
+        total = tl.max(end, 0)  # the slots past the row add 0
+    tl.debug_barrier()  # the row's ends, stored by all of this program's threads, before any thread reads them
+    for begin in range(0, sequence, BLOCK):
+        column = begin + tl.arange(0, BLOCK)
+        found = _at_or_before(ends, width, zero, zero, zero, column, TABLE=False)
+        tl.store(ids + column, tl.where(column < total, found + 1, 0), mask=column < sequence)
+    tl.store(stats + row * 2, negative)
+    tl.store(stats + row * 2 + 1, (total > sequence).to(tl.int64))
+
+
+@triton.jit
+def _boundary_rows(
+    table, mask, ids, stats, width, sequence, limit, FLAT: tl.constexpr, MASKED: tl.constexpr, BLOCK: tl.constexpr
+):
+    """``document_ids_from_cu_seqlens``: a row's table (``FLAT``: the one table over all rows) checked and read as
+    the aten body reads it, then each column's segment by a binary search; the rules' flags per row."""
+    row = tl.program_id(0).to(tl.int64)
+    if not FLAT:
+        table += row * width
+    ids += row * sequence
+    zero = tl.full((), 0, tl.int64)
+    count, absent, decrease, misplaced, over = zero, zero, zero, zero, zero
+    for begin in range(0, width, BLOCK):
+        slot = begin + tl.arange(0, BLOCK)
+        inside = slot < width
+        value = tl.load(table + slot, mask=inside, other=0).to(tl.int64)
+        left = tl.load(table + slot - 1, mask=inside & (slot > 0), other=0).to(tl.int64)
+        present = inside & (value >= 0)
+        pair = present & (slot > 0) & (left >= 0)
+        # Any absent (-1) entry at or before each slot: a present one after it is misplaced.
+        absent_so_far = tl.maximum(tl.associative_scan((inside & ~present).to(tl.int64), 0, _maximum), absent)
+        count += tl.sum(present.to(tl.int64), 0)
+        decrease = tl.maximum(decrease, tl.max((pair & (value < left)).to(tl.int64), 0))
+        wrong = inside & ((value < -1) | (present & (absent_so_far > 0)))
+        misplaced = tl.maximum(misplaced, tl.max(wrong.to(tl.int64), 0))
+        over = tl.maximum(over, tl.max((inside & (value > limit)).to(tl.int64), 0))
+        absent = tl.max(absent_so_far, 0)
+    first = tl.load(table).to(tl.int64)
+    last = tl.load(table + tl.maximum(count - 1, 0)).to(tl.int64)
+    final = tl.load(table + width - 1).to(tl.int64)
+    final = tl.minimum(tl.maximum(tl.where(width - 1 < count, final, last), 0), limit)
+    opening, crossing = zero + 1, zero  # one table a row: its first boundary, 0, opens the first document
+    if FLAT:
+        # Ids count the segments from the row's first; a row that begins inside its previous row's last segment
+        # cuts a document in two.
+        start = row * sequence + tl.zeros((BLOCK,), tl.int64)
+        opening = tl.max(_at_or_before(table, width, count, last, limit, start, TABLE=True), 0)
+        before = tl.max(_at_or_before(table, width, count, last, limit, start - 1, TABLE=True), 0)
+        crossing = ((row > 0) & (row * sequence < final) & (opening == before)).to(tl.int64)
+    for begin in range(0, sequence, BLOCK):
+        column = begin + tl.arange(0, BLOCK)
+        token = column
+        if FLAT:
+            token += row * sequence
+        found = _at_or_before(table, width, count, last, limit, token, TABLE=True)
+        document = tl.where(token < final, found - opening + 1, 0)
+        if MASKED:
+            real = tl.load(mask + row * sequence + column, mask=column < sequence, other=0)
+            document = tl.where(real != 0, document, 0)
+        tl.store(ids + column, document, mask=column < sequence)
+    stats += row * 5
+    tl.store(stats + 0, (first != 0).to(tl.int64))
+    tl.store(stats + 1, decrease)
+    tl.store(stats + 2, misplaced)
+    tl.store(stats + 3, over)
+    tl.store(stats + 4, crossing)
+
+
+@triton.jit
+def _position_id_rows(
+    positions,
+    mask,
+    ids,
+    stats,
+    sequence,
+    pad,
+    start,
+    MASKED: tl.constexpr,
+    PAD: tl.constexpr,
+    START: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """``document_ids_from_position_ids``: a document starts where a valid token's position is not one past the
+    previous valid token's (the row's first valid token starts one); 0 at padding."""
+    row = tl.program_id(0).to(tl.int64)
+    positions += row * sequence
+    ids += row * sequence
+    zero = tl.full((), 0, tl.int64)
+    previous_valid, count, negative, restart = zero - 1, zero, zero, zero
+    for begin in range(0, sequence, BLOCK):
+        column = begin + tl.arange(0, BLOCK)
+        inside = column < sequence
+        value = tl.load(positions + column, mask=inside, other=0).to(tl.int64)
+        left = tl.load(positions + column - 1, mask=inside & (column > 0), other=0).to(tl.int64)
+        valid = inside
+        left_valid = inside & (column > 0)
+        if MASKED:
+            mask_row = mask + row * sequence
+            valid = valid & (tl.load(mask_row + column, mask=inside, other=0) != 0)
+            left_valid = left_valid & (tl.load(mask_row + column - 1, mask=inside & (column > 0), other=0) != 0)
+        if PAD:
+            valid = valid & (value != pad)
+            left_valid = left_valid & (left != pad)
+        if MASKED or PAD:
+            # The previous valid token's column, -1 where none: its position is read back from the row.
+            earlier = tl.maximum(tl.associative_scan(tl.where(left_valid, column - 1, -1), 0, _maximum), previous_valid)
+            before = tl.load(positions + earlier, mask=inside & (earlier >= 0), other=0).to(tl.int64)
+            starts = valid & ((earlier < 0) | (value != before + 1))
+        else:
+            starts = inside & (value != tl.where(column > 0, left, -2) + 1)
+        document = count + _running_sum(starts.to(tl.int64))
+        tl.store(ids + column, tl.where(valid, document, 0), mask=inside)
+        negative = tl.maximum(negative, tl.max((valid & (value < 0)).to(tl.int64), 0))
+        if START:
+            restart = tl.maximum(restart, tl.max((starts & (value != start)).to(tl.int64), 0))
+        count += tl.sum(starts.to(tl.int64), 0)
+        previous_valid = tl.maximum(previous_valid, tl.max(tl.where(valid, column, -1), 0))
+    tl.store(stats + row * 2, negative)
+    tl.store(stats + row * 2 + 1, restart)
 
 
 def _row_ids(document_ids: torch.Tensor) -> torch.Tensor:
@@ -825,3 +1099,116 @@ def block_tables_kernels(
         CHUNK=CHUNK,
     )
     return (*tables, mask_flags(document_ids.to(torch.int64), check))
+
+
+def seq_lens_kernels(seq_lens: torch.Tensor, sequence: int):
+    """``packfn::document_ids_from_seq_lens`` in one launch (``_length_rows``)."""
+    lengths = seq_lens.contiguous()
+    batch, width = lengths.shape
+    new = lengths.new_empty
+    ids = new(batch, sequence, dtype=torch.int64)
+    ends = new(batch, width, dtype=torch.int64)  # the kernel's own: each row's ends, searched by every column
+    stats = new(batch, 2, dtype=torch.int64)
+    wrap_triton(_length_rows)[(batch,)](lengths, ends, ids, stats, width, sequence, BLOCK=BLOCK)
+    return ids, _any(stats[:, 0] != 0, stats[:, 1] != 0)
+
+
+def cu_seqlens_kernels(cu_seqlens: torch.Tensor, batch: int, sequence: int, attention_mask: torch.Tensor | None):
+    """``packfn::document_ids_from_cu_seqlens`` in one launch (``_boundary_rows``), flat or one table per row."""
+    table = cu_seqlens.contiguous()
+    flat = table.ndim == 1
+    ids = table.new_empty(batch, sequence, dtype=torch.int64)
+    stats = table.new_empty(batch, 5, dtype=torch.int64)
+    mask = table if attention_mask is None else _row_ids(attention_mask)  # read only where MASKED
+    wrap_triton(_boundary_rows)[(batch,)](
+        table,
+        mask,
+        ids,
+        stats,
+        table.shape[-1],
+        sequence,
+        batch * sequence if flat else sequence,
+        FLAT=flat,
+        MASKED=attention_mask is not None,
+        BLOCK=BLOCK,
+    )
+    return ids, _any(*(stats[:, column] != 0 for column in range(5)))
+
+
+def position_id_kernels(
+    position_ids: torch.Tensor, attention_mask: torch.Tensor | None, pad_position: int | None, start: int | None
+):
+    """``packfn::document_ids_from_position_ids`` in one launch (``_position_id_rows``)."""
+    positions = position_ids.contiguous()
+    batch, sequence = positions.shape
+    pad = pad_position is not None and -(2**63) <= pad_position < 2**63  # compared in int64, as the aten body does
+    ids = positions.new_empty(batch, sequence, dtype=torch.int64)
+    stats = positions.new_empty(batch, 2, dtype=torch.int64)
+    mask = positions if attention_mask is None else _row_ids(attention_mask)  # read only where MASKED
+    wrap_triton(_position_id_rows)[(batch,)](
+        positions,
+        mask,
+        ids,
+        stats,
+        sequence,
+        pad_position if pad else 0,
+        0 if start is None else start,
+        MASKED=attention_mask is not None,
+        PAD=pad,
+        START=start is not None,
+        BLOCK=BLOCK,
+    )
+    return ids, _any(stats[:, 0] != 0, stats[:, 1] != 0)
+
+
+EOS_MARKERS = 4  # the most marker tokens _eos_rows compares with; more take the aten body
+
+
+def eos_kernels(
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    eos_token_ids: list[int],
+    bos: bool,
+    pad_token_id: int | None,
+    vocab_size: int | None,
+    reset_position_ids: bool,
+    reset_attention_mask: bool,
+    eod_mask_loss: bool,
+):
+    """``packfn::document_ids_from_eos`` in one launch (``_eos_rows``), for up to ``EOS_MARKERS`` marker tokens."""
+    arguments = (input_ids, attention_mask, eos_token_ids, bos, pad_token_id, vocab_size)
+    arguments += (reset_position_ids, reset_attention_mask, eod_mask_loss)
+    markers = format_ops.held(input_ids.dtype, eos_token_ids)
+    if len(markers) > EOS_MARKERS:
+        return format_ops.document_ids_from_eos_op.math(*arguments)
+    tokens = input_ids.contiguous()
+    batch, sequence = tokens.shape
+    pad = pad_token_id is not None and format_ops.holds(tokens.dtype, pad_token_id)
+    vocabulary = 0 if vocab_size is None else 2 if format_ops.holds(tokens.dtype, vocab_size) else 1
+    new = tokens.new_empty
+    documents = new(batch, sequence, dtype=torch.int64)
+    positions = new(batch, sequence, dtype=torch.int64)
+    loss_mask = new(batch, sequence, dtype=torch.bool)
+    stats = new(batch, dtype=torch.int64)
+    wrap_triton(_eos_rows)[(batch,)](
+        tokens,
+        tokens if attention_mask is None else _row_ids(attention_mask),  # read only where MASKED
+        documents,
+        positions,
+        loss_mask,
+        stats,
+        sequence,
+        pad_token_id if pad else 0,
+        vocab_size if vocabulary == 2 else 0,
+        *(markers + [0] * EOS_MARKERS)[:EOS_MARKERS],
+        MARKERS=len(markers),
+        BOS=bos,
+        MASKED=attention_mask is not None,
+        PAD=pad,
+        VOCAB=vocabulary,
+        RESET_POSITIONS=reset_position_ids,
+        RESET_DOCUMENTS=reset_attention_mask,
+        EOD_MASK_LOSS=eod_mask_loss,
+        BLOCK=BLOCK,
+    )
+    return documents, positions, loss_mask, (stats != 0).any().unsqueeze(0)

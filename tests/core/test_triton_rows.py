@@ -160,6 +160,35 @@ PUBLIC = {
         lambda m: tuple(packfn.thd_metadata(m, max_documents=64)),
         ["_row_stats_0", "_thd_rows_1", ASSERTS],
     ),
+    "document_ids_from_seq_lens": (
+        lambda seq_lens: packfn.document_ids_from_seq_lens(seq_lens, 32768),
+        ["_length_rows_0", ASSERTS],
+    ),
+    "document_ids_from_cu_seqlens": (
+        lambda cu_seqlens: packfn.document_ids_from_cu_seqlens(cu_seqlens, 32768),
+        ["_boundary_rows_0", ASSERTS],
+    ),
+    "document_ids_from_cu_seqlens[flat]": (
+        lambda cu_seqlens, valid: packfn.document_ids_from_cu_seqlens(cu_seqlens, 32768, batch=8, attention_mask=valid),
+        ["_boundary_rows_0", ASSERTS],
+    ),
+    "document_ids_from_position_ids": (
+        lambda positions, valid: packfn.document_ids_from_position_ids(positions, attention_mask=valid),
+        ["_position_id_rows_0", ASSERTS],
+    ),
+    "document_ids_from_eos": (
+        lambda tokens: tuple(packfn.document_ids_from_eos(tokens, [1, 2], pad_token_id=0, vocab_size=50000)),
+        ["_eos_rows_0", ASSERTS],
+    ),
+}
+# Each conversion's inputs, from the packed rows' mask (by the aten bodies, on the CPU).
+INPUTS = {
+    "flatten_metadata": _batch_major,
+    "document_ids_from_seq_lens": lambda mask: (packfn.seq_lens_from_document_ids(mask, max_documents=128),),
+    "document_ids_from_cu_seqlens": lambda mask: (packfn.batch_metadata(mask, max_documents=128).cu_seqlens,),
+    "document_ids_from_cu_seqlens[flat]": lambda mask: (packfn.physical_varlen_metadata(mask).cu_seqlens, mask > 0),
+    "document_ids_from_position_ids": lambda mask: (packfn.packed_position_ids(mask), mask > 0),
+    "document_ids_from_eos": lambda mask: (mask,),  # the ids as tokens: ids 1 and 2 end documents, 0 pads
 }
 
 
@@ -184,7 +213,7 @@ def test_the_public_functions_launch_their_kernels(name):
     try:
         torch._dynamo.reset()
         mask = PackedRows(32768, ((300,) * 100,) * 8).document_ids
-        arguments = _batch_major(mask) if name == "flatten_metadata" else (mask,)
+        arguments = INPUTS.get(name, lambda mask: (mask,))(mask)
         names = kernel_names(triton_code(function, *arguments))
         torch._dynamo.reset()
     finally:

@@ -18,6 +18,7 @@ from unittest import mock
 
 import pytest
 import torch
+import torch.nn.functional as F
 from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 from torch.library import wrap_triton
@@ -218,15 +219,20 @@ def test_physical_kernels_match_the_decomposition(small, ids):
 
 @pytest.mark.parametrize("op", [*GPU_OPS, PHYSICAL, POSITIONS, ops.flatten_metadata_op], ids=lambda op: op.__name__)
 def test_kernels_at_their_shipped_sizes(op):
-    """1024 columns a block, 128 rows a group: rows of 2500 span three blocks, 130 rows two groups."""
+    """1024 columns a block, 128 rows a group: rows of 2100 span three blocks, 130 rows two groups (a program per
+    row makes 130 rows cost the interpreter a minute an op: batch_metadata and THD sum the rows before as
+    varlen_metadata does, and position ids take no sum)."""
     shipped = triton_rows
     assert (shipped.BLOCK, shipped.ROWS) == (1024, 128)
-    for mask in (random_mask(3, 2500, seed=0, documents=40), random_mask(130, 5, seed=1, documents=2)):
+    masks = [random_mask(2, 2100, seed=0, documents=40)]
+    if op in (ops.varlen_metadata_op, ops.flatten_metadata_op, PHYSICAL):  # each sums the rows before its own way
+        masks.append(random_mask(130, 5, seed=1, documents=2))
+    for mask in masks:
         if op is PHYSICAL:
             assert_same(tuple(_kernels(shipped, op)(mask)), tuple(op.math(mask)))
         elif op is POSITIONS:
             assert_same_outputs(op, mask, body=_kernels(shipped, op))
-        elif op is ops.flatten_metadata_op:  # D = sequence: boundaries of 2501 slots span three blocks too
+        elif op is ops.flatten_metadata_op:  # D = sequence: boundaries of 2101 slots span three blocks too
             parsed = ops.batch_metadata_op.math(mask, mask.shape[1])
             metadata = (parsed.packed_token_indices, parsed.cu_seqlens)
             assert_same_outputs(op, *metadata, body=_kernels(shipped, op))
@@ -331,3 +337,174 @@ def test_document_block_mask_takes_the_kernels_on_a_gpu_tensor(small):
     fields = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices")
     fields += tuple(field.replace("kv", "q") for field in fields)
     assert_same(tuple(getattr(got, field) for field in fields), tuple(getattr(expected, field) for field in fields))
+
+
+# ------------------------------------------------------------------ conversions
+
+EOS = format_ops.document_ids_from_eos_op
+SEQ_LENS = format_ops.document_ids_from_seq_lens_op
+CU_SEQLENS = format_ops.document_ids_from_cu_seqlens_op
+FROM_POSITIONS = format_ops.document_ids_from_position_ids_op
+
+
+def _conversion(module, op):
+    """The conversion op's kernels in ``module``, with its named outputs."""
+    kernels = {SEQ_LENS: "seq_lens_kernels", CU_SEQLENS: "cu_seqlens_kernels", FROM_POSITIONS: "position_id_kernels"}
+    kernels[EOS] = "eos_kernels"
+    outputs = format_ops.EosDocumentsOutputs if op is EOS else format_ops.IdsOutputs
+    return lambda *args: outputs(*getattr(module, kernels[op])(*args))
+
+
+def _table(draw, batch: int, width: int, low: int, high: int) -> torch.Tensor:
+    values = draw(st.lists(st.integers(low, high), min_size=batch * width, max_size=batch * width))
+    table = torch.tensor(values).view(batch, width)
+    return draw(st.sampled_from([table, table.to(torch.int32)]))
+
+
+@st.composite
+def seq_lens_tables(draw):
+    """A packer's lengths (zeros after them), or lengths of any values: most of those break a rule."""
+    if draw(st.booleans()):
+        rows = draw(packed_rows(max_batch=4, max_sequence=30))
+        return rows.seq_lens, rows.sequence
+    batch, width, sequence = draw(st.integers(1, 4)), draw(st.integers(1, 20)), draw(st.integers(1, 30))
+    return _table(draw, batch, width, -1, 6), sequence
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(table=seq_lens_tables())
+@example(table=(torch.tensor([[0, 0, 3, 0, 0, 0, 0, 0, 0, 2, 0]]), 12))  # empty documents, ends across blocks
+@example(table=(torch.tensor([[5, 5], [12, 1]]), 10))  # a row that ends at its last column, one that overruns
+def test_seq_lens_kernels_match_the_decomposition(small, table):
+    assert_same_outputs(SEQ_LENS, *table, body=_conversion(small, SEQ_LENS))
+
+
+@st.composite
+def cu_seqlens_tables(draw):
+    """One table per row or one flat table, as packfn writes them (trailing -1) or of any values, a mask or not."""
+    rows = draw(packed_rows(max_batch=4, max_sequence=30))
+    batch, sequence = rows.batch, rows.sequence
+    flat = draw(st.booleans())
+    if draw(st.booleans()):  # a packer's boundaries: the segments of every row, padding runs included when flat
+        table = packfn.physical_varlen_metadata(rows.document_ids).cu_seqlens if flat else rows.cu_seqlens
+        table = torch.cat([table, table.new_full((*table.shape[:-1], draw(st.integers(0, 9))), -1)], -1)
+    else:
+        width = draw(st.integers(1, 20))
+        table = _table(draw, 1 if flat else batch, width, -2, (batch if flat else 1) * sequence + 1)
+        table = table[0] if flat else table
+    mask = draw(st.sampled_from([None, rows.document_ids > 0, (rows.document_ids > 0).to(torch.int32)]))
+    return table, batch, sequence, mask
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(arguments=cu_seqlens_tables())
+@example(arguments=(torch.tensor([0, 3, 9, 12]), 2, 6, None))  # a segment across the row boundary
+@example(arguments=(torch.tensor([0, 3, 6, 12, -1, -1, -1, -1, -1, -1]), 2, 6, None))  # rows that close: none
+@example(arguments=(torch.tensor([[0, 2, 2, 5, -1]]), 1, 5, None))  # an empty segment
+@example(arguments=(torch.tensor([[0, 2, -1, 5]]), 1, 5, None))  # a boundary after -1
+def test_cu_seqlens_kernels_match_the_decomposition(small, arguments):
+    assert_same_outputs(CU_SEQLENS, *arguments, body=_conversion(small, CU_SEQLENS))
+
+
+@st.composite
+def position_tables(draw):
+    """A packer's position ids with their padding (a mask or a pad position), or positions of any values."""
+    if draw(st.booleans()):
+        rows = draw(packed_rows(max_batch=4, max_sequence=30))
+        ids = rows.document_ids
+        positions = torch.where(ids > 0, packfn.packed_position_ids(ids), -1)
+        padding = draw(st.sampled_from(["mask", "pad", "none"]))
+        mask = (ids > 0) if padding == "mask" else None
+        pad = -1 if padding == "pad" else draw(st.sampled_from([None, 2**70]))
+        return positions, mask, pad, draw(st.sampled_from([0, None]))
+    batch, sequence = draw(st.integers(1, 4)), draw(st.integers(1, 30))
+    positions = _table(draw, batch, sequence, -2, 6)
+    mask = draw(st.sampled_from([None, positions != 3, (positions != 3).to(torch.uint8)]))
+    return positions, mask, draw(st.sampled_from([None, 0, 2])), draw(st.sampled_from([0, 1, None]))
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(arguments=position_tables())
+@example(arguments=(torch.tensor([[0, 1, 2, 9, 9, 9, 9, 9, 9, 3, 4, 0]]), None, 9, 0))  # padding across blocks
+@example(arguments=(torch.tensor([[-1, 0, 1]]), None, None, None))  # -1 first: the row's start begins none
+def test_position_id_kernels_match_the_decomposition(small, arguments):
+    assert_same_outputs(FROM_POSITIONS, *arguments, body=_conversion(small, FROM_POSITIONS))
+
+
+def test_conversion_kernels_at_their_shipped_size():
+    """1024 columns a block: rows of 2100 span three blocks, 1101 lengths (or boundaries) two."""
+    assert triton_rows.BLOCK == 1024
+    rows = PackedRows(2100, ((1, 7, 1800, 200), (2100,), (1,) * 1100 + (600,)))
+    valid = rows.document_ids > 0
+    positions = torch.where(valid, packfn.packed_position_ids(rows.document_ids), -1)
+    flat = packfn.physical_varlen_metadata(rows.document_ids).cu_seqlens
+    for op, arguments in [
+        (SEQ_LENS, (rows.seq_lens, 2100)),
+        (CU_SEQLENS, (rows.cu_seqlens, 3, 2100, None)),
+        (CU_SEQLENS, (flat, 3, 2100, valid)),
+        (FROM_POSITIONS, (positions, valid, None, 0)),
+        (FROM_POSITIONS, (positions, None, -1, 0)),
+        (EOS, (rows.document_ids, valid, [1, 3], False, None, 5000, True, True, True)),
+        (EOS, (rows.document_ids, None, [2], True, 0, None, True, True, False)),
+    ]:
+        assert not op.math(*arguments).broken.any()
+        assert_same_outputs(op, *arguments, body=_conversion(triton_rows, op))
+
+
+def _eos_tokens(ids: torch.Tensor) -> torch.Tensor:
+    """A document's tokens are 5, its last 6 (its EOS); padding is 0."""
+    last = ids != F.pad(ids, (0, 1))[:, 1:]
+    return torch.where(ids > 0, 5 + last.long(), 0)
+
+
+CONVERSIONS = {  # a conversion, its inputs from packed rows, and the kernels it launches on a GPU tensor
+    "seq_lens": (packfn.document_ids_from_seq_lens, lambda rows: (rows.seq_lens, rows.sequence), "seq_lens_kernels"),
+    "cu_seqlens": (packfn.document_ids_from_cu_seqlens, lambda rows: (rows.cu_seqlens, rows.sequence),
+                   "cu_seqlens_kernels"),
+    "position_ids": (
+        lambda positions, valid: packfn.document_ids_from_position_ids(positions, attention_mask=valid),
+        lambda rows: (packfn.packed_position_ids(rows.document_ids), rows.document_ids > 0),
+        "position_id_kernels",
+    ),
+    "eos": (
+        lambda tokens: packfn.document_ids_from_eos(tokens, [6, 7], attention_mask=tokens > 0).document_ids,
+        lambda rows: (_eos_tokens(rows.document_ids),),
+        "eos_kernels",
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", sorted(CONVERSIONS))
+def test_conversions_take_the_kernels_on_a_gpu_tensor(small, name):
+    convert, inputs, kernels = CONVERSIONS[name]
+    rows = PackedRows(30, ((5, 7, 3), (30,), (4, 4, 1, 1)))
+    arguments = inputs(rows)
+    with _as_on_a_gpu(small) as launched:
+        assert_same(convert(*arguments), rows.document_ids)
+    assert launched == [kernels]
+
+
+@st.composite
+def eos_arguments(draw):
+    """Tokens of any values (some below 0, some past the vocabulary), up to five markers (past four: the aten
+    body), padding by a mask or a pad token, every flag."""
+    batch, sequence = draw(st.integers(1, 4)), draw(st.integers(1, 30))
+    values = draw(st.lists(st.integers(-1, 7), min_size=batch * sequence, max_size=batch * sequence))
+    tokens = torch.tensor(values).view(batch, sequence)
+    tokens = draw(st.sampled_from([tokens, tokens.to(torch.int32), tokens.abs().to(torch.uint8)]))
+    markers = draw(st.lists(st.integers(0, 7), min_size=1, max_size=5, unique=True))
+    mask = draw(st.sampled_from([None, tokens != 2, (tokens != 2).to(torch.int32)]))
+    pad = draw(st.sampled_from([None, 1, 300]))
+    vocab = draw(st.sampled_from([None, 6, 300]))
+    flags = [draw(st.booleans()) for _ in range(4)]
+    return tokens, mask, markers, flags[0], pad, vocab, *flags[1:]
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(arguments=eos_arguments())
+@example(arguments=(torch.tensor([[5, 5, 0] * 4 + [1] * 6 + [5, 0]]), None, [0], False, 1, 8, True, True, True))
+@example(arguments=(torch.tensor([[0, 5, 5, 0, 2, 2, 2, 2, 2, 0, 5]]), torch.tensor([[1] * 4 + [0] * 5 + [1] * 2]),
+                    [0], True, None, None, True, True, False))  # fmt: skip
+def test_eos_kernels_match_the_decomposition(small, arguments):
+    """Padding across blocks, a marker that begins (``bos``) or ends a document, and all the outputs."""
+    assert_same_outputs(EOS, *arguments, body=_conversion(small, EOS))
