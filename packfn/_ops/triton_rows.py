@@ -1,4 +1,4 @@
-"""Triton kernels for the ops that parse a mask (or batch-major metadata) on CUDA: two launches each.
+"""Triton kernels for the ops that parse a mask (or batch-major metadata) or convert a format to one, on CUDA.
 
 NOTE [Two launches on a GPU]
 Written as aten ops, a mask parse is a chain of scans, scatters, reductions
@@ -23,6 +23,15 @@ launches before, needs only the one pass of ``_position_rows``):
    document; program 0 writes the totals.
 
 ``mask_flags``, the rule check of the block masks, is (1) alone on CUDA.
+The conversions to a mask need one pass: ``_position_id_rows`` (position
+ids), ``_eos_rows`` (marker tokens, with positions and a loss mask; up to
+``EOS_MARKERS`` markers, more take the aten body), ``_length_rows``
+(``seq_lens``: each row's running sums of its lengths, written once, then a
+binary search per column, ``_at_or_before``) and ``_boundary_rows``
+(``cu_seqlens``, flat or a table a row: a binary search per column of the
+table as the aten body reads it), where the aten bodies launched 6 to 17
+kernels (a split scan and its memset per running sum, a scatter and its
+init per boundary count).
 ``document_block_tables`` (``document_block_mask``'s op) takes each block's
 summary from one reduction by aten, then ``_block_tables``, one program per
 block, writes all eight tables of a ``BlockMask``: the key blocks each query
