@@ -928,9 +928,10 @@ def _position_id_rows(
 
 
 def _row_ids(document_ids: torch.Tensor) -> torch.Tensor:
-    """The mask as the kernels read it: contiguous, bool as uint8."""
-    ids = document_ids.view(torch.uint8) if document_ids.dtype == torch.bool else document_ids
-    return ids.contiguous()
+    """The mask as the kernels read it: contiguous (a bool mask as it is: Triton loads it as ``int1``; torch 2.11's
+    Inductor cannot lower the ``view(torch.uint8)`` of a bool graph input for CUDA, "torch.bool is not supported by
+    torch.iinfo")."""
+    return document_ids.contiguous()
 
 
 def _flags(stats: torch.Tensor, max_documents: int) -> torch.Tensor:

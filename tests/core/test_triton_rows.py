@@ -12,6 +12,7 @@ from __future__ import annotations
 import fnmatch
 import logging
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -221,6 +222,39 @@ def test_the_public_functions_launch_their_kernels(name):
     assert not records.messages, records.messages[0]
     assert len(names) == len(expected) <= 4
     assert all(fnmatch.fnmatchcase(name, pattern) for name, pattern in zip(names, expected, strict=True)), names
+
+
+# The public functions that take a mask (or a padding mask, for the position ids' conversion), and a bool one.
+BOOL_INPUTS = {
+    "varlen_metadata": lambda mask: (mask > 0,),
+    "batch_metadata": lambda mask: (mask > 0,),
+    "physical_varlen_metadata": lambda mask: (mask > 0,),
+    "packed_position_ids": lambda mask: (mask > 0,),
+    "thd_metadata": lambda mask: (mask > 0,),
+    "document_block_mask": lambda mask: (mask > 0,),
+    "document_ids_from_cu_seqlens[flat]": INPUTS["document_ids_from_cu_seqlens[flat]"],
+    "document_ids_from_position_ids": INPUTS["document_ids_from_position_ids"],
+    "document_ids_from_eos": lambda mask: (mask, mask > 0),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BOOL_INPUTS))
+def test_a_bool_mask_launches_the_same_kernels(name):
+    """The kernels read a bool mask as it is: torch 2.11's Inductor could not lower the ``view(torch.uint8)`` that
+    fed them one ("torch.bool is not supported by torch.iinfo"), so no bool mask compiled for CUDA there."""
+    function, expected = PUBLIC[name]
+    if name == "document_ids_from_eos":
+        function = lambda tokens, valid: tuple(packfn.document_ids_from_eos(tokens, [1, 2], attention_mask=valid))  # noqa: E731
+    torch._dynamo.reset()
+    arguments = BOOL_INPUTS[name](PackedRows(32768, ((300,) * 100,) * 8).document_ids)
+    assert any(argument.dtype == torch.bool for argument in arguments)
+    names = kernel_names(triton_code(function, *arguments))
+    torch._dynamo.reset()
+    # The same kernels, in an order of Inductor's (document_block_mask's kernels move with the bool's cast).
+    unmatched = list(names)
+    for pattern in (re.sub(r"_\d+$", "_*", pattern) for pattern in expected):
+        unmatched.remove(next((name for name in unmatched if fnmatch.fnmatchcase(name, pattern)), pattern))
+    assert not unmatched and len(names) == len(expected), names
 
 
 def test_the_block_causal_mask_checks_its_rules_in_one_pass():
