@@ -427,6 +427,7 @@ def position_tables(draw):
 @given(arguments=position_tables())
 @example(arguments=(torch.tensor([[0, 1, 2, 9, 9, 9, 9, 9, 9, 3, 4, 0]]), None, 9, 0))  # padding across blocks
 @example(arguments=(torch.tensor([[-1, 0, 1]]), None, None, None))  # -1 first: the row's start begins none
+@example(arguments=(torch.tensor([[9, 1, 2]]), None, 9, None))  # a first valid token begins one at any position
 def test_position_id_kernels_match_the_decomposition(small, arguments):
     assert_same_outputs(FROM_POSITIONS, *arguments, body=_conversion(small, FROM_POSITIONS))
 
@@ -505,6 +506,7 @@ def eos_arguments(draw):
 @example(arguments=(torch.tensor([[5, 5, 0] * 4 + [1] * 6 + [5, 0]]), None, [0], False, 1, 8, True, True, True))
 @example(arguments=(torch.tensor([[0, 5, 5, 0, 2, 2, 2, 2, 2, 0, 5]]), torch.tensor([[1] * 4 + [0] * 5 + [1] * 2]),
                     [0], True, None, None, True, True, False))  # fmt: skip
+@example(arguments=(torch.tensor([[0, 6, 1]]), None, [0], False, None, 6, True, True, True))  # a token at vocab_size
 def test_eos_kernels_match_the_decomposition(small, arguments):
     """Padding across blocks, a marker that begins (``bos``) or ends a document, and all the outputs."""
     assert_same_outputs(EOS, *arguments, body=_conversion(small, EOS))
