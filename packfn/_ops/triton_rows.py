@@ -560,102 +560,6 @@ def _position_rows(ids, positions, stats, sequence, BLOCK: tl.constexpr):
     tl.store(stats + row * 2 + 1, decrease)
 
 
-@triton.jit
-def _eos_rows(
-    tokens,
-    mask,
-    documents,
-    positions,
-    loss_mask,
-    stats,
-    sequence,
-    pad,
-    vocab_size,
-    marker_0,
-    marker_1,
-    marker_2,
-    marker_3,
-    MARKERS: tl.constexpr,
-    BOS: tl.constexpr,
-    MASKED: tl.constexpr,
-    PAD: tl.constexpr,
-    VOCAB: tl.constexpr,
-    RESET_POSITIONS: tl.constexpr,
-    RESET_DOCUMENTS: tl.constexpr,
-    EOD_MASK_LOSS: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
-    """``document_ids_from_eos``: a row's documents between its markers (``BOS``: a marker begins one, else it
-    ends one), their positions, the loss mask, and whether a token lies outside the vocabulary (``VOCAB``: 0 no
-    vocabulary, 1 one the dtype cannot reach, so only a negative token is outside; 2 both bounds)."""
-    row = tl.program_id(0).to(tl.int64)
-    tokens += row * sequence
-    zero = tl.full((), 0, tl.int64)
-    markers_before, last_id, seen, first_seen, last_valid, outside = zero, zero, zero, zero, zero - 1, zero
-    for begin in range(0, sequence, BLOCK):
-        column = begin + tl.arange(0, BLOCK)
-        inside = column < sequence
-        token = tl.load(tokens + column, mask=inside, other=0)
-        left_token = tl.load(tokens + column - 1, mask=inside & (column > 0), other=0)
-        marker = tl.zeros((BLOCK,), tl.int1)
-        left_marker = tl.zeros((BLOCK,), tl.int1)
-        if MARKERS > 0:
-            marker = marker | (token == marker_0)
-            left_marker = left_marker | (left_token == marker_0)
-        if MARKERS > 1:
-            marker = marker | (token == marker_1)
-            left_marker = left_marker | (left_token == marker_1)
-        if MARKERS > 2:
-            marker = marker | (token == marker_2)
-            left_marker = left_marker | (left_token == marker_2)
-        if MARKERS > 3:
-            marker = marker | (token == marker_3)
-            left_marker = left_marker | (left_token == marker_3)
-        left_marker = left_marker & (column > 0)
-        valid = inside
-        left_valid = inside & (column > 0)
-        if MASKED:
-            valid = valid & (tl.load(mask + row * sequence + column, mask=inside, other=0) != 0)
-            left = mask + row * sequence + column - 1
-            left_valid = left_valid & (tl.load(left, mask=inside & (column > 0), other=0) != 0)
-        if PAD:
-            valid = valid & (token != pad)
-            left_valid = left_valid & (left_token != pad)
-        # Each column's document, counted over the whole row, and the one to its left.
-        if BOS:
-            begins = marker | (column == 0)
-            document = markers_before + _running_sum(begins.to(tl.int64))
-            left_document = document - begins.to(tl.int64)
-        else:
-            document = markers_before + _running_sum(marker.to(tl.int64)) - marker.to(tl.int64) + 1
-            left_document = document - left_marker.to(tl.int64)
-            begins = marker
-        document = tl.where(valid, document, 0)
-        left_document = tl.where(left_valid, left_document, 0)
-        if RESET_POSITIONS:
-            position, _, _, first_seen, last_valid = _positions(
-                document, left_document, column, last_id, seen, first_seen, last_valid
-            )
-            last_id = tl.maximum(last_id, tl.max(document, 0))
-            seen += tl.sum(valid.to(tl.int64), 0)
-        else:
-            position = column.to(tl.int64)
-        if not RESET_DOCUMENTS:  # one document a row (Megatron's plain causal mask)
-            document = valid.to(tl.int64)
-        keep = valid
-        if EOD_MASK_LOSS:
-            keep = keep & ~marker
-        tl.store(documents + row * sequence + column, document, mask=inside)
-        tl.store(positions + row * sequence + column, position, mask=inside)
-        tl.store(loss_mask + row * sequence + column, keep, mask=inside)
-        if VOCAB == 1:
-            outside = tl.maximum(outside, tl.max((inside & (token < 0)).to(tl.int64), 0))
-        if VOCAB == 2:
-            outside = tl.maximum(outside, tl.max((inside & ((token < 0) | (token >= vocab_size))).to(tl.int64), 0))
-        markers_before += tl.sum(begins.to(tl.int64), 0)
-    tl.store(stats + row, outside)
-
-
 # ------------------------------------------------------------------ block tables
 
 
@@ -763,6 +667,102 @@ def _block_tables(
 
 
 # ------------------------------------------------------------------ conversions
+
+
+@triton.jit
+def _eos_rows(
+    tokens,
+    mask,
+    documents,
+    positions,
+    loss_mask,
+    stats,
+    sequence,
+    pad,
+    vocab_size,
+    marker_0,
+    marker_1,
+    marker_2,
+    marker_3,
+    MARKERS: tl.constexpr,
+    BOS: tl.constexpr,
+    MASKED: tl.constexpr,
+    PAD: tl.constexpr,
+    VOCAB: tl.constexpr,
+    RESET_POSITIONS: tl.constexpr,
+    RESET_DOCUMENTS: tl.constexpr,
+    EOD_MASK_LOSS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """``document_ids_from_eos``: a row's documents between its markers (``BOS``: a marker begins one, else it
+    ends one), their positions, the loss mask, and whether a token lies outside the vocabulary (``VOCAB``: 0 no
+    vocabulary, 1 one the dtype cannot reach, so only a negative token is outside; 2 both bounds)."""
+    row = tl.program_id(0).to(tl.int64)
+    tokens += row * sequence
+    zero = tl.full((), 0, tl.int64)
+    markers_before, last_id, seen, first_seen, last_valid, outside = zero, zero, zero, zero, zero - 1, zero
+    for begin in range(0, sequence, BLOCK):
+        column = begin + tl.arange(0, BLOCK)
+        inside = column < sequence
+        token = tl.load(tokens + column, mask=inside, other=0)
+        left_token = tl.load(tokens + column - 1, mask=inside & (column > 0), other=0)
+        marker = tl.zeros((BLOCK,), tl.int1)
+        left_marker = tl.zeros((BLOCK,), tl.int1)
+        if MARKERS > 0:
+            marker = marker | (token == marker_0)
+            left_marker = left_marker | (left_token == marker_0)
+        if MARKERS > 1:
+            marker = marker | (token == marker_1)
+            left_marker = left_marker | (left_token == marker_1)
+        if MARKERS > 2:
+            marker = marker | (token == marker_2)
+            left_marker = left_marker | (left_token == marker_2)
+        if MARKERS > 3:
+            marker = marker | (token == marker_3)
+            left_marker = left_marker | (left_token == marker_3)
+        left_marker = left_marker & (column > 0)
+        valid = inside
+        left_valid = inside & (column > 0)
+        if MASKED:
+            valid = valid & (tl.load(mask + row * sequence + column, mask=inside, other=0) != 0)
+            left_mask = mask + row * sequence + column - 1
+            left_valid = left_valid & (tl.load(left_mask, mask=inside & (column > 0), other=0) != 0)
+        if PAD:
+            valid = valid & (token != pad)
+            left_valid = left_valid & (left_token != pad)
+        # Each column's document, counted over the whole row, and the one to its left.
+        if BOS:
+            begins = marker | (column == 0)
+            document = markers_before + _running_sum(begins.to(tl.int64))
+            left_document = document - begins.to(tl.int64)
+        else:
+            document = markers_before + _running_sum(marker.to(tl.int64)) - marker.to(tl.int64) + 1
+            left_document = document - left_marker.to(tl.int64)
+            begins = marker
+        document = tl.where(valid, document, 0)
+        left_document = tl.where(left_valid, left_document, 0)
+        if RESET_POSITIONS:
+            position, _, _, first_seen, last_valid = _positions(
+                document, left_document, column, last_id, seen, first_seen, last_valid
+            )
+            last_id = tl.maximum(last_id, tl.max(document, 0))
+            seen += tl.sum(valid.to(tl.int64), 0)
+        else:
+            position = column.to(tl.int64)
+        if not RESET_DOCUMENTS:  # one document a row (Megatron's plain causal mask)
+            document = valid.to(tl.int64)
+        keep = valid
+        if EOD_MASK_LOSS:
+            keep = keep & ~marker
+        tl.store(documents + row * sequence + column, document, mask=inside)
+        tl.store(positions + row * sequence + column, position, mask=inside)
+        tl.store(loss_mask + row * sequence + column, keep, mask=inside)
+        if VOCAB == 1:
+            outside = tl.maximum(outside, tl.max((inside & (token < 0)).to(tl.int64), 0))
+        if VOCAB == 2:
+            outside = tl.maximum(outside, tl.max((inside & ((token < 0) | (token >= vocab_size))).to(tl.int64), 0))
+        markers_before += tl.sum(begins.to(tl.int64), 0)
+    tl.store(stats + row, outside)
 
 
 @triton.jit
