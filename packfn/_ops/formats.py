@@ -476,12 +476,16 @@ def _eos_outputs(input_ids, documents, markers, valid, positions, vocab_size, re
     loss_mask = torch.ones(input_ids.shape, dtype=torch.bool, device=input_ids.device) if valid is None else valid
     if eod_mask_loss:
         loss_mask = loss_mask & ~markers
+    # Compared in int64 where aten has no CPU comparison of the dtype (uint16, uint32, uint64): exact but for
+    # uint64 tokens from 2**63, which turn negative there and count as outside any vocabulary below 2**63.
+    wide = input_ids.dtype in (torch.uint16, torch.uint32, torch.uint64)
+    tokens = input_ids.to(torch.int64) if wide else input_ids
     if vocab_size is None:
         outside = _false(input_ids)
-    elif holds(input_ids.dtype, vocab_size):
-        outside = ((input_ids < 0) | (input_ids >= vocab_size)).any()
+    elif holds(tokens.dtype, vocab_size):
+        outside = ((tokens < 0) | (tokens >= vocab_size)).any()
     else:  # every token the dtype holds is below vocab_size
-        outside = (input_ids < 0).any()
+        outside = (tokens < 0).any()
     return documents, positions, loss_mask, outside.unsqueeze(0)
 
 

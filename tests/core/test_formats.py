@@ -491,3 +491,16 @@ def test_fake_kernel_and_decomposition_agree(name, args):
 )
 def test_opcheck(name, args):
     torch.library.opcheck(getattr(torch.ops.packfn, name).default, args)
+
+
+@pytest.mark.parametrize("dtype", [torch.uint16, torch.uint32, torch.uint64], ids=str)
+def test_eos_with_padding_checks_the_vocabulary_of_wide_unsigned_tokens(dtype):
+    """aten has no CPU comparison of these dtypes: the padded path compares in int64 (a helper's fuzzing found
+    ``lt_cpu not implemented for 'UInt16'``), as the padding-free path does by NumPy."""
+    valid = torch.ones(1, 4, dtype=torch.bool)
+    tokens = torch.tensor([[1, 2, 3, 9]], dtype=dtype)
+    assert packfn.document_ids_from_eos(tokens, 2, vocab_size=10, attention_mask=valid).document_ids.tolist() == [
+        [1, 1, 2, 2]
+    ]
+    with pytest.raises(RuntimeError, match=r"input_ids must lie in \[0, vocab_size=10\)"):
+        packfn.document_ids_from_eos(tokens.clone().fill_(12), 2, vocab_size=10, attention_mask=valid)
