@@ -1151,7 +1151,7 @@ def position_id_kernels(
     """``packfn::document_ids_from_position_ids`` in one launch (``_position_id_rows``)."""
     positions = position_ids.contiguous()
     batch, sequence = positions.shape
-    pad = pad_position is not None and -(2**63) <= pad_position < 2**63  # compared in int64, as the aten body does
+    pad = pad_position is not None and format_ops.holds(torch.int64, pad_position)  # compared in int64, as there
     ids = positions.new_empty(batch, sequence, dtype=torch.int64)
     stats = positions.new_empty(batch, 2, dtype=torch.int64)
     mask = positions if attention_mask is None else _row_ids(attention_mask)  # read only where MASKED
@@ -1221,4 +1221,4 @@ def eos_kernels(
         EOD_MASK_LOSS=eod_mask_loss,
         BLOCK=BLOCK,
     )
-    return documents, positions, loss_mask, (stats != 0).any().unsqueeze(0)
+    return documents, positions, loss_mask, _any(stats != 0)
