@@ -163,6 +163,11 @@ def _layout(seq_lens: torch.Tensor, sequence, alignment: int):
     return packfn.aligned_layout(seq_lens, sequence_length=sequence, alignment=alignment, budget=budget)
 
 
+def _moved(metadata, indices: torch.Tensor, num_tokens: torch.Tensor):
+    """``metadata`` with the tensors ``unpad`` and ``pad`` read taken as the entry's arguments."""
+    return metadata._replace(indices=indices, num_tokens=num_tokens)
+
+
 def _core(inputs: Inputs, capacity: int, alignment: int) -> dict[str, Entry]:
     import packfn
 
@@ -184,15 +189,16 @@ def _core(inputs: Inputs, capacity: int, alignment: int) -> dict[str, Entry]:
             ),
             tuple(narrow[:4]),
         ),
+        # unpad and pad on the metadata a step parses once (varlen_metadata's entry) for both and the attention.
         "unpad": Entry(
             "core",
-            lambda mask, values: packfn.unpad(values, packfn.varlen_metadata(mask, max_documents=capacity)),
-            (mask, values),
+            lambda indices, num_tokens, values: packfn.unpad(values, _moved(metadata, indices, num_tokens)),
+            (metadata.indices, metadata.num_tokens, values),
         ),
         "pad": Entry(
             "core",
-            lambda mask, values: packfn.pad(values, packfn.varlen_metadata(mask, max_documents=capacity)),
-            (mask, packfn.unpad(values, metadata)),
+            lambda indices, num_tokens, values: packfn.pad(values, _moved(metadata, indices, num_tokens)),
+            (metadata.indices, metadata.num_tokens, packfn.unpad(values, metadata)),
         ),
         "aligned_layout": Entry(
             "core", lambda seq_lens, mask: _layout(seq_lens, mask.shape[1], alignment), (seq_lens, mask)

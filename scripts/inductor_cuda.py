@@ -180,10 +180,13 @@ def _lowering_on_cuda():
     launches on a GPU] in ``packfn/_ops/triton_rows.py``), and torch reads
     those kernels' Triton IR for an H200 to learn which arguments they write.
     """
+    from torch._dynamo.device_interface import CudaInterface
     from triton.runtime import driver
 
     patches = [
         mock.patch("packfn._ops._registry.gpu_kernels", lambda tensor: True),
+        # Bound when torch imports, and asked before Inductor lowers a graph with a bf16 input or output.
+        mock.patch.object(CudaInterface, "is_bf16_supported", staticmethod(lambda including_emulation=False: True)),
         mock.patch.object(type(driver), "active", property(lambda self: _H200Driver)),
         mock.patch("torch._inductor.compile_fx.GraphLowering", _lowering_class()),
         mock.patch("torch._inductor.config.fx_graph_cache", False),

@@ -1,4 +1,4 @@
-"""Triton kernels for the ops that parse a mask (or batch-major metadata) or convert a format to one, on CUDA.
+"""Triton kernels for the ops that parse a mask (or batch-major metadata), convert a format to one, or pad, on CUDA.
 
 NOTE [Two launches on a GPU]
 Written as aten ops, a mask parse is a chain of scans, scatters, reductions
@@ -39,7 +39,10 @@ block sees, and the query blocks that see each key block, partial and
 full, each ordered as ``create_block_mask`` orders them, where the aten
 body sorts four ``[B, 1, Q, K]`` tables and ``BlockMask.from_kv_blocks``
 derived the query side in ten launches more (``document_block_mask``: 4
-launches with its rule check, where it launched 16).
+launches with its rule check, where it launched 16). ``pad`` is one kernel,
+``_pad_rows``, one program per ``PAD_BLOCK`` positions: each position's
+row by a binary search over the valid positions (``_at_or_before``), the
+rule check and the rows' move, where the aten body launched four.
 
 The rule flags are reduced from (1) by aten, one small reduction per rule,
 so that Inductor fuses them with the public function's asserts into one
@@ -81,6 +84,7 @@ import triton.language as tl
 from torch.library import wrap_triton
 
 from packfn._ops import formats as format_ops
+from packfn._ops import varlen as varlen_ops
 from packfn._ops.masks import block_summaries
 from packfn._ops.metadata import mask_flags
 
@@ -91,6 +95,7 @@ __all__ = [
     "eos_kernels",
     "flatten_kernels",
     "mask_flags_kernels",
+    "pad_kernels",
     "physical_varlen_kernels",
     "position_id_kernels",
     "position_kernels",
@@ -1222,3 +1227,65 @@ def eos_kernels(
         BLOCK=BLOCK,
     )
     return documents, positions, loss_mask, _any(stats != 0)
+
+
+# ------------------------------------------------------------------ pad
+
+PAD_BLOCK = 32  # positions a program of _pad_rows moves
+PAD_WIDTH = 128  # elements of a position's row it moves at a time
+# What _pad_rows moves as it is (what packfn.pad hands the op: uint16/32/64 come as their signed twins); any other
+# dtype (complex, float8) takes the aten body.
+PAD_DTYPES = frozenset(
+    {torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64}
+    | {torch.float16, torch.bfloat16, torch.float32, torch.float64}
+)
+
+
+@triton.jit
+def _pad_rows(values, indices, num_tokens, padded, flags, total, width, BLOCK: tl.constexpr, WIDTH: tl.constexpr):
+    """``pad``: each position's row in the varlen order, found by a binary search over the valid positions (the aten
+    body's ``searchsorted``), that row of ``values`` moved to the position (zeros at padding), and whether the
+    block's positions break :data:`PAD_RULES` (an entry outside the positions, a part not ascending, a position
+    the inverse does not give back)."""
+    program = tl.program_id(0).to(tl.int64)
+    position = program * BLOCK + tl.arange(0, BLOCK)
+    inside = position < total
+    count = tl.load(num_tokens).to(tl.int64)
+    index = tl.load(indices + position, mask=inside, other=0).to(tl.int64)
+    following = tl.load(indices + position + 1, mask=position + 1 < total, other=total).to(tl.int64)
+    unordered = (position + 1 < total) & (position + 1 != count) & (following <= index)
+    outside = inside & ((index < 0) | (index >= total))
+    # The valid positions before each position; where the rules hold the valid part is sorted, as the search needs.
+    before = _at_or_before(indices, total, count, total, total, position - 1, TABLE=True)
+    slot = tl.minimum(before, total - 1)
+    found = tl.load(indices + slot, mask=inside & (slot < count), other=total).to(tl.int64)
+    inverse = tl.where(found == position, before, count + position - before)
+    back = tl.load(indices + tl.minimum(tl.maximum(inverse, 0), total - 1), mask=inside, other=0).to(tl.int64)
+    tl.store(flags + program, tl.max((unordered | outside | (inside & (back != position))).to(tl.int64), 0))
+    keep = inside & (inverse < tl.minimum(count, total))
+    source = tl.where(keep, inverse, 0)
+    for begin in range(0, width, WIDTH):
+        column = begin + tl.arange(0, WIDTH)
+        within = column[None, :] < width
+        row = tl.load(values + source[:, None] * width + column[None, :], mask=keep[:, None] & within, other=0)
+        tl.store(padded + position[:, None] * width + column[None, :], row, mask=inside[:, None] & within)
+
+
+def pad_kernels(values: torch.Tensor, indices: torch.Tensor, num_tokens: torch.Tensor, sequence: int):
+    """``packfn::pad`` in one launch (``_pad_rows``), where the aten body launched four (a search, the check's
+    gather and reduction, the rows' gather); :data:`PAD_DTYPES` only, any other dtype takes the aten body."""
+    if values.dtype not in PAD_DTYPES:
+        return varlen_ops.pad_op.math(values, indices, num_tokens, sequence)
+    rows = values.contiguous()
+    total = indices.numel()
+    width = 1
+    for size in values.shape[1:]:
+        width *= size
+    padded = rows.new_empty(values.shape[0] // sequence, sequence, *values.shape[1:])
+    programs = (total + PAD_BLOCK - 1) // PAD_BLOCK
+    flags = indices.new_empty(programs, dtype=torch.int64)
+    wrap_triton(_pad_rows)[(programs,)](
+        rows, indices.contiguous(), num_tokens, padded, flags, total, width, BLOCK=PAD_BLOCK, WIDTH=PAD_WIDTH
+    )
+    broken = (flags != 0).any() | (num_tokens < 0) | (num_tokens > total)
+    return padded, broken.reshape(1)

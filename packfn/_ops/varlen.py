@@ -28,8 +28,11 @@ leak), and the gradient of a padding token through ``unpad`` is zero.
 structure of ``indices`` with a binary search (a valid position ``j`` is the
 ``k``-th valid token where ``k`` counts the valid positions before it, a
 padding position is ``num_tokens + j - k``), and checked (a wrong permutation
-would silently move activations): ``indices`` gathered by the inverse must
-give back every position, else ``pad`` flags :data:`PAD_RULES`.
+would silently move activations): ``num_tokens`` within ``[0, N]``, every
+entry within ``[0, N)``, both parts ascending (so the search is a search)
+and ``indices`` gathered by the inverse giving back every position, else
+``pad`` flags :data:`PAD_RULES`. On CUDA one Triton kernel does the search,
+the check and the gather (``pad_kernels`` in :mod:`packfn._ops.triton_rows`).
 """
 
 from __future__ import annotations
@@ -152,7 +155,7 @@ def _row_mask(keep: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 PAD_RULES = (
     Rule(
-        "indices must be the varlen permutation of varlen_metadata: "
+        "indices must be the varlen permutation of varlen_metadata, num_tokens its count of valid tokens: "
         "the first num_tokens entries the valid positions ascending, then the padding positions ascending"
     ),
 )
@@ -164,13 +167,21 @@ def _inverse_permutation(indices: torch.Tensor, num_tokens: torch.Tensor) -> tup
 
     See NOTE [Unpad and pad are each other's backward].
     """
-    positions = torch.arange(indices.numel(), device=indices.device)
-    # The valid positions, ascending, then a value past every position.
-    valid_positions = torch.where(positions < num_tokens, indices, indices.numel())
+    total = indices.numel()
+    positions = torch.arange(total, device=indices.device)
+    # The valid positions, ascending, then a value past every position: sorted wherever the rule holds.
+    valid_positions = torch.where(positions < num_tokens, indices, total)
     valid_before = torch.searchsorted(valid_positions, positions)
-    is_valid = valid_positions.gather(0, valid_before.clamp_max(indices.numel() - 1)) == positions
+    is_valid = valid_positions.gather(0, valid_before.clamp_max(total - 1)) == positions
     inverse = torch.where(is_valid, valid_before, num_tokens + positions - valid_before)
-    broken = (indices.gather(0, inverse.clamp(0, indices.numel() - 1)) != positions).any()
+    unordered = (indices[1:] <= indices[:-1]) & (positions[1:] != num_tokens)  # within the valid or padding part
+    broken = (
+        (indices.gather(0, inverse.clamp(0, total - 1)) != positions).any()
+        | ((indices < 0) | (indices >= total)).any()
+        | unordered.any()
+        | (num_tokens < 0)
+        | (num_tokens > total)
+    )
     return inverse, broken.reshape(1)
 
 
@@ -214,7 +225,7 @@ def unpad_op(values: torch.Tensor, indices: torch.Tensor, num_tokens: torch.Tens
     return torch.where(_row_mask(keep, flat), flat.index_select(0, indices), flat.new_zeros(()))
 
 
-@packfn_op("pad", fake=_pad_fake, backward=_pad_backward, setup_context=_pad_setup)
+@packfn_op("pad", fake=_pad_fake, backward=_pad_backward, setup_context=_pad_setup, gpu="pad_kernels")
 def pad_op(
     values: torch.Tensor, indices: torch.Tensor, num_tokens: torch.Tensor, sequence: int
 ) -> tuple[torch.Tensor, torch.Tensor]:

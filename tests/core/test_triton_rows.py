@@ -117,6 +117,17 @@ def _tables(block_mask) -> tuple[torch.Tensor, ...]:
                  for kind in ("num_blocks", "indices"))  # fmt: skip
 
 
+def _varlen(indices: torch.Tensor, num_tokens: torch.Tensor) -> packfn.VarlenMetadata:
+    """What ``pad`` reads of a batch's metadata (the rest is never read)."""
+    return packfn.VarlenMetadata(indices, *[None] * 3, num_tokens, None, indices.numel() // 8)
+
+
+def _unpadded(metadata: packfn.VarlenMetadata) -> tuple[torch.Tensor, ...]:
+    """``pad``'s inputs: the permutation, the valid tokens and bf16 activations in varlen order, 8 rows."""
+    values = torch.randn(8, metadata.max_seqlen_bound, 64).to(torch.bfloat16)
+    return metadata.indices, metadata.num_tokens, packfn.unpad(values, metadata)
+
+
 # What a user calls, as Inductor writes it for an H200: the kernels, then one kernel of the flags' reductions fused
 # with their asserts (assert_rules reads the flags as the bits of one integer), and batch_metadata's maximum over the
 # rows. SPEC section 6 allows 4.
@@ -181,6 +192,12 @@ PUBLIC = {
         lambda tokens: tuple(packfn.document_ids_from_eos(tokens, [1, 2], pad_token_id=0, vocab_size=50000)),
         ["_eos_rows_0", ASSERTS],
     ),
+    # On the metadata a step parses once, in bf16 activations: pad's one kernel and its rule's reduction (of a flag
+    # per 32 positions: a looped reduction, with the assert).
+    "pad": (
+        lambda indices, num_tokens, values: packfn.pad(values, _varlen(indices, num_tokens)),
+        ["_pad_rows_0", "triton_red_fused_*_assert_async_any_*"],
+    ),
 }
 # Each conversion's inputs, from the packed rows' mask (by the aten bodies, on the CPU).
 INPUTS = {
@@ -190,6 +207,7 @@ INPUTS = {
     "document_ids_from_cu_seqlens[flat]": lambda mask: (packfn.physical_varlen_metadata(mask).cu_seqlens, mask > 0),
     "document_ids_from_position_ids": lambda mask: (packfn.packed_position_ids(mask), mask > 0),
     "document_ids_from_eos": lambda mask: (mask,),  # the ids as tokens: ids 1 and 2 end documents, 0 pads
+    "pad": lambda mask: _unpadded(packfn.varlen_metadata(mask)),
 }
 
 

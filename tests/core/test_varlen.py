@@ -147,6 +147,22 @@ def test_unpad_pad_errors(call, error, message):
         call(packfn.varlen_metadata(EXAMPLE))
 
 
+@pytest.mark.parametrize(
+    ("indices", "num_tokens"),
+    [
+        ([0, 1, 2, 3], 5),  # num_tokens past the positions: every position is found, nothing would be left out
+        ([0, 1, 2, 3], -1),
+        ([1, 0, 2, 3], 4),  # a permutation, its valid part not ascending
+        ([0, 3, 2, 1], 1),  # its padding part not ascending
+    ],
+)
+def test_pad_flags_metadata_varlen_metadata_cannot_make(indices, num_tokens):
+    metadata = packfn.varlen_metadata(torch.ones(1, 4, dtype=torch.int64))
+    edited = metadata._replace(indices=torch.tensor(indices), num_tokens=torch.tensor(num_tokens))
+    with pytest.raises(RuntimeError, match="num_tokens its count of valid tokens"):
+        packfn.pad(torch.zeros(4), edited)
+
+
 def test_compiled_unpad_pad_backward_is_a_gather():
     metadata = packfn.varlen_metadata(EXAMPLE)
 

@@ -510,3 +510,99 @@ def eos_arguments(draw):
 def test_eos_kernels_match_the_decomposition(small, arguments):
     """Padding across blocks, a marker that begins (``bos``) or ends a document, and all the outputs."""
     assert_same_outputs(EOS, *arguments, body=_conversion(small, EOS))
+
+
+PAD = varlen_ops.pad_op
+
+
+@pytest.fixture
+def small_pad():
+    """Programs of 4 positions, rows moved 2 elements at a time."""
+    with mock.patch.multiple(triton_rows, PAD_BLOCK=4, PAD_WIDTH=2):
+        yield triton_rows
+
+
+def _pad_matches(module, values, indices, num_tokens, sequence):
+    """``pad_kernels`` flags what the aten body flags, and where no rule breaks moves the same rows."""
+    expected, actual = (
+        PAD.math(values, indices, num_tokens, sequence),
+        module.pad_kernels(values, indices, num_tokens, sequence),
+    )
+    assert_same(actual[1], expected[1])
+    if not expected[1].any():
+        assert_same(actual[0], expected[0])
+    return bool(expected[1].any())
+
+
+@st.composite
+def pad_arguments(draw):
+    """A mask's varlen permutation, as varlen_metadata makes it or edited (most edits break the rule), and values
+    of a dtype pad moves by its kernel, with 0 to 2 trailing axes."""
+    mask = draw(packing_masks(max_sequence=12, max_batch=3))
+    metadata = ops.varlen_metadata_op.math(mask, mask.shape[1])
+    indices, num_tokens = metadata.indices, metadata.num_tokens
+    total = indices.numel()
+    edit = draw(st.sampled_from(["none", "none", "count", "swap", "any"]))
+    if edit == "count":
+        num_tokens = num_tokens + draw(st.sampled_from([-1, 1, total + 1]))
+    elif edit == "swap" and total > 1:
+        first, second = draw(st.integers(0, total - 1)), draw(st.integers(0, total - 1))
+        indices = indices.clone()
+        indices[[first, second]] = indices[[second, first]]
+    elif edit == "any":
+        indices = torch.tensor(draw(st.lists(st.integers(-1, total), min_size=total, max_size=total)))
+    dtype = draw(st.sampled_from(sorted(triton_rows.PAD_DTYPES, key=str)))
+    trailing = draw(st.sampled_from([(), (1,), (3,), (2, 3)]))
+    values = (torch.randn(total, *trailing) * 100).to(dtype)
+    return values, indices, num_tokens, mask.shape[1]
+
+
+# Permutations of 2 rows of [1, 1, 0, 2] and [0, 3, 3, 0] (valid positions 0 1 3 5 6, padding 2 4 7) that break the
+# rule where the aten body's own check alone would not, or only barely.
+VALID = [0, 1, 3, 5, 6, 2, 4, 7]
+PAD_BROKEN = {
+    "num_tokens past the positions": ([0, 1, 2, 3, 4, 5, 6, 7], 9),
+    "num_tokens below 0": ([0, 1, 2, 3, 4, 5, 6, 7], -1),
+    "valid part not ascending": ([1, 0, 3, 5, 6, 2, 4, 7], 5),
+    "padding part not ascending": ([0, 1, 3, 5, 6, 4, 2, 7], 5),
+    "an entry past the positions": ([0, 1, 3, 5, 6, 2, 4, 8], 5),
+    "an entry below 0": ([-1, 1, 3, 5, 6, 2, 4, 7], 5),
+    "a position in both parts": ([0, 1, 3, 5, 6, 2, 3, 7], 5),
+}
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(arguments=pad_arguments())
+@example(arguments=(torch.arange(8.0).view(8, 1), torch.tensor(VALID), torch.tensor(5), 4))  # moved across programs
+@example(arguments=(torch.ones(1, 3), torch.tensor([0]), torch.tensor(-1), 1))  # one position, num_tokens -1
+def test_pad_kernels_match_the_decomposition(small_pad, arguments):
+    _pad_matches(small_pad, *arguments)
+
+
+@pytest.mark.parametrize("name", sorted(PAD_BROKEN))
+def test_pad_kernels_flag_each_broken_permutation(small_pad, name):
+    indices, num_tokens = PAD_BROKEN[name]
+    values = torch.randn(8, 3)
+    assert _pad_matches(small_pad, values, torch.tensor(indices), torch.tensor(num_tokens), 4)
+
+
+def test_pad_kernels_at_their_shipped_sizes():
+    """32 positions a program, 128 elements a move: 4200 positions are 132 programs, rows of 130 two moves."""
+    assert (triton_rows.PAD_BLOCK, triton_rows.PAD_WIDTH) == (32, 128)
+    metadata = ops.varlen_metadata_op.math(random_mask(2, 2100, seed=5, documents=40), 2100)
+    values = torch.randn(4200, 2, 65).to(torch.bfloat16)
+    assert not _pad_matches(triton_rows, values, metadata.indices, metadata.num_tokens, 2100)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.complex64], ids=str)
+def test_pad_takes_its_kernel_on_a_gpu_tensor(small_pad, dtype):
+    """Forward, and as unpad's backward; a dtype Triton cannot move (complex) takes the aten body in its place."""
+    metadata = packfn.varlen_metadata(torch.tensor([[1, 1, 0, 2], [0, 3, 3, 0]]))
+    values = torch.randn(2, 4, 3, dtype=dtype, requires_grad=True)
+    unpadded = packfn.unpad(values, metadata)
+    expected = packfn.pad(unpadded, metadata)
+    (gradient,) = torch.autograd.grad(unpadded, values, unpadded.detach())
+    with _as_on_a_gpu(small_pad) as launched:
+        assert_same(packfn.pad(unpadded, metadata), expected)
+        assert_same(torch.autograd.grad(packfn.unpad(values, metadata), values, unpadded.detach())[0], gradient)
+    assert launched == ["pad_kernels", "pad_kernels"]
