@@ -76,6 +76,7 @@ METADATA_FUNCTIONS = (
     "physical_varlen_metadata",
     "unpad",
     "pad",
+    "aligned_layout",
     "block_causal_mask",
     "document_block_mask",
     "packed_position_ids",

@@ -258,7 +258,13 @@ def _aligned_layout_eager(
     return _aligned_layout(seq_lens, seq_lens_padded, sequence_length, alignment, length, search_input=False)
 
 
-@packfn_op("aligned_layout", fake=_aligned_layout_fake, outputs=AlignedLayoutOutputs, eager=_aligned_layout_eager)
+@packfn_op(
+    "aligned_layout",
+    fake=_aligned_layout_fake,
+    outputs=AlignedLayoutOutputs,
+    eager=_aligned_layout_eager,
+    gpu="layout_kernels",
+)
 def aligned_layout_op(
     seq_lens: torch.Tensor, seq_lens_padded: torch.Tensor, sequence_length: int, alignment: int, length: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:

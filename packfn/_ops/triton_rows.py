@@ -1,4 +1,5 @@
-"""Triton kernels for the ops that parse a mask (or batch-major metadata), convert a format to one, or pad, on CUDA.
+"""Triton kernels for the ops that parse a mask (or batch-major metadata), convert a format to one, pad, or build an
+aligned layout, on CUDA.
 
 NOTE [Two launches on a GPU]
 Written as aten ops, a mask parse is a chain of scans, scatters, reductions
@@ -43,6 +44,14 @@ launches with its rule check, where it launched 16). ``pad`` is one kernel,
 ``_pad_rows``, one program per ``PAD_BLOCK`` positions: each position's
 row by a binary search over the valid positions (``_at_or_before``), the
 rule check and the rows' move, where the aten body launched four.
+``aligned_layout`` is one kernel, ``_layout_rows``, one program per row: the
+row's document ends in the input row and in the aligned row (written once,
+as ``_length_rows`` writes its ends), the first broken document's rules,
+then each aligned column's document and each input column's by a binary
+search over those ends; one reduction over the rows keeps the first broken
+row's rules and the longest aligned row (2 launches with its rule check,
+where the aten body launched 15: the tables' clamps and running sums, a
+search per table, the checks' reductions).
 
 The rule flags are reduced from (1) by aten, one small reduction per rule,
 so that Inductor fuses them with the public function's asserts into one
@@ -94,6 +103,7 @@ __all__ = [
     "cu_seqlens_kernels",
     "eos_kernels",
     "flatten_kernels",
+    "layout_kernels",
     "mask_flags_kernels",
     "pad_kernels",
     "physical_varlen_kernels",
@@ -1289,3 +1299,111 @@ def pad_kernels(values: torch.Tensor, indices: torch.Tensor, num_tokens: torch.T
     )
     broken = (flags != 0).any() | (num_tokens < 0) | (num_tokens > total)
     return padded, broken.reshape(1)
+
+
+# ------------------------------------------------------------------ aligned layout
+
+
+@triton.jit
+def _layout_rows(
+    lengths,
+    spans,
+    input_ends,
+    aligned_ends,
+    sources,
+    positions,
+    sequences,
+    inputs,
+    stats,
+    width,
+    sequence,
+    alignment,
+    length,
+    BLOCK: tl.constexpr,
+):
+    """``aligned_layout``: a row's documents (their ends in the input row by span and in the aligned row by length
+    rounded up to ``alignment``, each clamped to ``[0, sequence + 1]`` as the aten body clamps them, and the rules
+    the first broken one breaks), then each aligned column's document and each input column's, by a binary search
+    over those ends (``_at_or_before``): every document starts on a multiple of ``alignment``, so an aligned
+    column's document is its block's."""
+    row = tl.program_id(0).to(tl.int64)
+    lengths += row * width
+    spans += row * width
+    input_ends += row * width
+    aligned_ends += row * width
+    sources += row * length
+    positions += row * length
+    sequences += row * length
+    inputs += row * sequence
+    zero = tl.full((), 0, tl.int64)
+    input_total, aligned_total, first = zero, zero, zero
+    for begin in range(0, width, BLOCK):
+        slot = begin + tl.arange(0, BLOCK)
+        inside = slot < width
+        count = tl.load(lengths + slot, mask=inside, other=0).to(tl.int64)
+        span = tl.load(spans + slot, mask=inside, other=0).to(tl.int64)
+        present = count != 0
+        real = tl.minimum(tl.maximum(count, 0), sequence + 1)
+        kept = tl.where(present, tl.minimum(tl.maximum(span, 0), sequence + 1), 0)
+        input_end = input_total + _running_sum(kept)
+        aligned_end = aligned_total + _running_sum((real + alignment - 1) // alignment * alignment)
+        tl.store(input_ends + slot, input_end, mask=inside)
+        tl.store(aligned_ends + slot, aligned_end, mask=inside)
+        # The layout_rules a document breaks, as bits (1: a span without a document, 2: a negative length, 4: a
+        # span shorter than the length, 8: past the input row); the first broken document's, carried.
+        bits = (~present & (span != 0)).to(tl.int64)
+        bits |= (present & (count < 0)).to(tl.int64) * 2
+        bits |= (present & (span < count)).to(tl.int64) * 4
+        bits |= (present & (input_end > sequence)).to(tl.int64) * 8
+        earliest = tl.min(tl.where(bits != 0, slot, width), 0)
+        first = tl.where(first != 0, first, tl.sum(tl.where(slot == earliest, bits, 0), 0))
+        input_total = tl.max(input_end, 0)  # the slots past the row add 0
+        aligned_total = tl.max(aligned_end, 0)
+    tl.debug_barrier()  # the row's ends, stored by all of this program's threads, before any thread reads them
+    for begin in range(0, length, BLOCK):
+        column = begin + tl.arange(0, BLOCK)
+        inside = column < length
+        slot = _at_or_before(aligned_ends, width, zero, zero, zero, column, TABLE=False)
+        start = tl.load(aligned_ends + slot - 1, mask=inside & (slot > 0), other=0)
+        source = tl.load(input_ends + slot - 1, mask=inside & (slot > 0), other=0)
+        real = tl.load(lengths + slot, mask=inside & (slot < width), other=0).to(tl.int64)
+        offset = column - start
+        outside = offset >= tl.minimum(tl.maximum(real, 0), sequence + 1)
+        tl.store(sources + column, tl.where(outside, -1, source + offset), mask=inside)
+        tl.store(positions + column, tl.where(outside, 0, offset), mask=inside)
+        tl.store(sequences + column, tl.where(outside, 0, slot + 1), mask=inside)
+    for begin in range(0, sequence, BLOCK):
+        column = begin + tl.arange(0, BLOCK)
+        inside = column < sequence
+        slot = _at_or_before(input_ends, width, zero, zero, zero, column, TABLE=False)
+        start = tl.load(input_ends + slot - 1, mask=inside & (slot > 0), other=0)
+        target = tl.load(aligned_ends + slot - 1, mask=inside & (slot > 0), other=0)
+        real = tl.load(lengths + slot, mask=inside & (slot < width), other=0).to(tl.int64)
+        real = tl.minimum(tl.maximum(real, 0), sequence + 1)
+        tl.store(inputs + column, tl.where(column < start + real, column - start + target, -1), mask=inside)
+    tl.store(stats + row * 2, first)
+    tl.store(stats + row * 2 + 1, aligned_total)
+
+
+def layout_kernels(
+    seq_lens: torch.Tensor, seq_lens_padded: torch.Tensor, sequence_length: int, alignment: int, length: int
+):
+    """``packfn::aligned_layout`` in one launch (``_layout_rows``), then one reduction over the rows: the first
+    broken document's rules (the rows' bits, the earliest row's kept by the maximum) and the longest aligned row."""
+    lengths, spans = seq_lens.contiguous(), seq_lens_padded.contiguous()
+    batch, width = lengths.shape
+    new = lengths.new_empty
+    sources, positions, sequences = (new(batch, length, dtype=torch.int64) for _ in range(3))
+    inputs = new(batch, sequence_length, dtype=torch.int64)
+    input_ends, aligned_ends = (new(batch, width, dtype=torch.int64) for _ in range(2))  # the kernel's own
+    stats = new(batch, 2, dtype=torch.int64)
+    wrap_triton(_layout_rows)[(batch,)](
+        lengths, spans, input_ends, aligned_ends, sources, positions, sequences, inputs, stats,
+        width, sequence_length, alignment, length, BLOCK=BLOCK,
+    )  # fmt: skip
+    first, totals = stats[:, 0], stats[:, 1]
+    rows = torch.arange(batch, device=lengths.device)
+    earliest = torch.where(first != 0, (batch - rows) * 16 + first, 0).max() % 16
+    longest = totals.max()
+    rules = (earliest.bitwise_right_shift(torch.arange(4, device=lengths.device)) & 1) != 0
+    return sources, positions, sequences, inputs, longest, torch.cat([rules, (longest > length).reshape(1)])

@@ -26,12 +26,14 @@ from packfn._ops import _registry
 from packfn._ops import formats as format_ops
 from packfn._ops import metadata as ops
 from packfn._ops import varlen as varlen_ops
+from packfn.layout import worst_case_budget
 
 from scripts.benchmarks.common import make_inputs
 from scripts.catalog import catalog
 from scripts.inductor_cuda import kernel_names, triton_code
 from tests.strategies import random_mask
 from tests.strategies_formats import PackedRows
+from tests.strategies_layout import layout_fields
 
 PHYSICAL = varlen_ops.physical_varlen_metadata_op
 ROOT = Path(__file__).parents[2]
@@ -133,6 +135,16 @@ def _unpadded(metadata: packfn.VarlenMetadata) -> tuple[torch.Tensor, ...]:
 # rows. SPEC section 6 allows 4.
 # ASSERTS stands for that kernel: a persistent reduction of the flags with their asserts.
 ASSERTS = "triton_per_fused_*_assert_async_any_*"
+LAYOUT_ASSERTS = "triton_per_fused_*_assert_async_*_max_*"
+
+
+def _layout(seq_lens: torch.Tensor) -> packfn.PackedSequenceLayout:
+    """The layout of 8 rows of 32768 columns, documents aligned to 64, at the budget any such row fits."""
+    return packfn.aligned_layout(
+        seq_lens, sequence_length=32768, alignment=64, budget=worst_case_budget(32768, 128, 64, 0)
+    )
+
+
 PUBLIC = {
     "varlen_metadata": (
         lambda m: tuple(packfn.varlen_metadata(m, max_documents=64)),
@@ -198,6 +210,20 @@ PUBLIC = {
         lambda indices, num_tokens, values: packfn.pad(values, _varlen(indices, num_tokens)),
         ["_pad_rows_0", "triton_red_fused_*_assert_async_any_*"],
     ),
+    # The layout's one kernel, then its rules' reduction with their asserts (the rows' first broken document by a
+    # maximum, and the longest row); pack and restore add their gather.
+    "aligned_layout": (
+        lambda seq_lens: layout_fields(_layout(seq_lens)),
+        ["_layout_rows_0", LAYOUT_ASSERTS],
+    ),
+    "pack": (
+        lambda seq_lens, values: _layout(seq_lens).pack(values),
+        ["_layout_rows_0", LAYOUT_ASSERTS, "triton_poi_fused_*_gather_*"],
+    ),
+    "restore": (
+        lambda seq_lens, packed: _layout(seq_lens).restore(packed),
+        ["_layout_rows_0", LAYOUT_ASSERTS, "triton_poi_fused_*_gather_*"],
+    ),
 }
 # Each conversion's inputs, from the packed rows' mask (by the aten bodies, on the CPU).
 INPUTS = {
@@ -208,6 +234,12 @@ INPUTS = {
     "document_ids_from_position_ids": lambda mask: (packfn.packed_position_ids(mask), mask > 0),
     "document_ids_from_eos": lambda mask: (mask,),  # the ids as tokens: ids 1 and 2 end documents, 0 pads
     "pad": lambda mask: _unpadded(packfn.varlen_metadata(mask)),
+    "aligned_layout": lambda mask: (packfn.seq_lens_from_document_ids(mask, max_documents=128),),
+    "pack": lambda mask: (packfn.seq_lens_from_document_ids(mask, max_documents=128), torch.randn(8, 32768, 16)),
+    "restore": lambda mask: (
+        packfn.seq_lens_from_document_ids(mask, max_documents=128),
+        torch.randn(8, worst_case_budget(32768, 128, 64, 0), 16),
+    ),
 }
 
 

@@ -27,14 +27,17 @@ from triton.runtime import interpreter
 import packfn
 from packfn._ops import _registry, triton_rows
 from packfn._ops import formats as format_ops
+from packfn._ops import layout as layout_ops
 from packfn._ops import masks as mask_ops
 from packfn._ops import metadata as ops
 from packfn._ops import varlen as varlen_ops
+from packfn.layout import as_rows
 
 from tests.assertions import assert_same, assert_same_outputs
 from tests.core.test_eager_kernels import BROKEN
 from tests.strategies import packing_masks, random_mask
 from tests.strategies_formats import PackedRows, packed_rows
+from tests.strategies_layout import layout_fields, layout_inputs
 
 assert os.environ.get("TRITON_INTERPRET") == "1", "run by tests/core/test_triton_rows.py, with the interpreter on"
 
@@ -606,3 +609,78 @@ def test_pad_takes_its_kernel_on_a_gpu_tensor(small_pad, dtype):
         assert_same(packfn.pad(unpadded, metadata), expected)
         assert_same(torch.autograd.grad(packfn.unpad(values, metadata), values, unpadded.detach())[0], gradient)
     assert launched == ["pad_kernels", "pad_kernels"]
+
+
+# ------------------------------------------------------------------ aligned layout
+
+LAYOUT = layout_ops.aligned_layout_op
+
+
+def _layout_matches(module, *arguments) -> bool:
+    """``layout_kernels`` gives every output of the aten body (the decomposition), broken tables included."""
+    expected = LAYOUT.math(*arguments)
+    assert_same(tuple(module.layout_kernels(*arguments)), tuple(expected))
+    return bool(expected.broken.any())
+
+
+@st.composite
+def layout_arguments(draw):
+    """A layout's tables, valid or broken, at a budget that fits them, falls a block short or leaves blocks over."""
+    inputs = draw(layout_inputs(broken=draw(st.booleans())))
+    lengths = as_rows(inputs.seq_lens)
+    spans = lengths if inputs.seq_lens_padded is None else as_rows(inputs.seq_lens_padded)
+    sequence, alignment = inputs.input_shape[1], inputs.alignment
+    need = int(LAYOUT.math(lengths, spans, sequence, alignment, alignment).longest)
+    blocks = max(1, -(-need // alignment) + draw(st.integers(-1, 2)))
+    return lengths, spans, sequence, alignment, blocks * alignment
+
+
+# Two rows whose first broken document sits in a later block of the first row than the second row's; a row whose
+# first broken document breaks a rule of a lower bit than a later one's; rows that end at the input row's end;
+# spans that break two rules at once; spans near int64's limit; a document longer than the row (its length is
+# clamped to the row and one column more); a table wider than a block of slots whose documents span blocks.
+LAYOUT_CASES = {
+    "the first broken row wins": ([[1] * 9 + [-1], [-2] + [0] * 9], None, 12, 1, 12),
+    "two rules of one document": ([[2, 3]], [[2, 1]], 3, 2, 8),
+    "spans near int64's limit": ([[3], [3]], [[2**62], [2**62]], 8, 1, 4),
+    "a document longer than the input row": ([[20, 2]], None, 8, 4, 8),
+    "slots across blocks": ([[0, 0, 3, 0, 0, 0, 0, 0, 0, 2, 0, 9], [1] * 12], [[0, 0, 5, 0, 0, 0, 0, 0, 0, 2, 0, 9],
+                            [1] * 12], 16, 4, 48),
+    "no document": ([[0, 0, 0]], None, 5, 2, 4),
+    "rows that fill the input row": ([[3, 4], [7, 0]], [[3, 4], [7, 0]], 7, 1, 7),
+    "a row's first broken document, not its worst": ([[-1] + [1] * 9 + [3]], [[-1] + [1] * 9 + [2]], 16, 1, 16),
+}  # fmt: skip
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(arguments=layout_arguments())
+def test_layout_kernels_match_the_decomposition(small, arguments):
+    _layout_matches(small, *arguments)
+
+
+@pytest.mark.parametrize("name", sorted(LAYOUT_CASES))
+def test_layout_kernels_at_named_tables(small, name):
+    lengths, spans, sequence, alignment, budget = LAYOUT_CASES[name]
+    lengths = torch.tensor(lengths)
+    _layout_matches(small, lengths, lengths if spans is None else torch.tensor(spans), sequence, alignment, budget)
+
+
+def test_layout_kernels_at_their_shipped_size():
+    """1024 columns a block: 1101 document slots span two blocks, rows of 2100 columns three, the aligned rows of
+    9400 (the 1100 one-token documents take 8 columns each) ten."""
+    assert triton_rows.BLOCK == 1024
+    rows = PackedRows(2100, ((1, 7, 1800, 200), (2100,), (1,) * 1100 + (600,)))
+    arguments = (rows.seq_lens, rows.seq_lens, 2100, 8, 9400)
+    assert not _layout_matches(triton_rows, *arguments)
+
+
+def test_aligned_layout_takes_its_kernels_on_a_gpu_tensor(small):
+    """The public function and its pack / restore, against the CPU's."""
+    lengths, spans = torch.tensor([[3, 4, 0], [1, 1, 5]]), torch.tensor([[4, 4, 0], [1, 2, 5]])
+    values = torch.randn(2, 9, 3)
+    expected = packfn.aligned_layout(lengths, spans, sequence_length=9, alignment=4, budget=16)
+    with _as_on_a_gpu(small) as launched:
+        layout = packfn.aligned_layout(lengths, spans, sequence_length=9, alignment=4, budget=16)
+    assert launched == ["layout_kernels"]
+    assert_same(layout_fields(layout), layout_fields(expected))
+    assert_same(layout.restore(layout.pack(values)), expected.restore(expected.pack(values)))
