@@ -625,20 +625,22 @@ def _layout_matches(module, *arguments) -> bool:
 
 @st.composite
 def layout_arguments(draw):
-    """A layout's tables, valid or broken, at a budget that fits them, falls a block short or leaves blocks over."""
+    """A layout's tables, valid or broken, at a budget that fits them, falls a block short or leaves blocks over;
+    alignments up to 64 (wider ones only lengthen the aligned rows the interpreter walks, 8 columns a block)."""
     inputs = draw(layout_inputs(broken=draw(st.booleans())))
     lengths = as_rows(inputs.seq_lens)
     spans = lengths if inputs.seq_lens_padded is None else as_rows(inputs.seq_lens_padded)
-    sequence, alignment = inputs.input_shape[1], inputs.alignment
+    sequence, alignment = inputs.input_shape[1], draw(st.sampled_from([1, 2, 3, 4, 8, 64]))
     need = int(LAYOUT.math(lengths, spans, sequence, alignment, alignment).longest)
     blocks = max(1, -(-need // alignment) + draw(st.integers(-1, 2)))
     return lengths, spans, sequence, alignment, blocks * alignment
 
 
 # Two rows whose first broken document sits in a later block of the first row than the second row's; a row whose
-# first broken document breaks a rule of a lower bit than a later one's; rows that end at the input row's end;
-# spans that break two rules at once; spans near int64's limit; a document longer than the row (its length is
-# clamped to the row and one column more); a table wider than a block of slots whose documents span blocks.
+# first broken document breaks a rule of a lower bit than a later one's; rows that end at the input row's end; an
+# absent slot's negative span; spans that break two rules at once; spans near int64's limit; a document longer than
+# the row (its length is clamped to the row and one column more); a table wider than a block of slots whose
+# documents span blocks.
 LAYOUT_CASES = {
     "the first broken row wins": ([[1] * 9 + [-1], [-2] + [0] * 9], None, 12, 1, 12),
     "two rules of one document": ([[2, 3]], [[2, 1]], 3, 2, 8),
@@ -647,6 +649,7 @@ LAYOUT_CASES = {
     "slots across blocks": ([[0, 0, 3, 0, 0, 0, 0, 0, 0, 2, 0, 9], [1] * 12], [[0, 0, 5, 0, 0, 0, 0, 0, 0, 2, 0, 9],
                             [1] * 12], 16, 4, 48),
     "no document": ([[0, 0, 0]], None, 5, 2, 4),
+    "an absent document with a negative span": ([[2, 0]], [[2, -1]], 4, 1, 4),
     "rows that fill the input row": ([[3, 4], [7, 0]], [[3, 4], [7, 0]], 7, 1, 7),
     "a row's first broken document, not its worst": ([[-1] + [1] * 9 + [3]], [[-1] + [1] * 9 + [2]], 16, 1, 16),
 }  # fmt: skip
