@@ -293,6 +293,16 @@ def _trailing(mask: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     return mask.reshape(*mask.shape, *([1] * (values.ndim - 2)))
 
 
+def _nothing_to_read(values: torch.Tensor, index: torch.Tensor, fill: float) -> torch.Tensor:
+    """What :func:`_gather_rows` gives from rows of no columns (every index -1): ``fill`` throughout.
+
+    Gathering from an empty axis fails however the index is masked; a size,
+    not a value, decides (dynamic shapes specialize 0), so the branch adds
+    no guard.
+    """
+    return values.new_full((*index.shape, *values.shape[2:]), fill)
+
+
 def _gather_rows(values: torch.Tensor, index: torch.Tensor, fill: float) -> torch.Tensor:
     """``[B, width, ...]``: ``values[b, index[b, j]]``, ``fill`` where ``index`` is negative.
 
@@ -302,6 +312,8 @@ def _gather_rows(values: torch.Tensor, index: torch.Tensor, fill: float) -> torc
     product's divisibility (``2 % (2 * budget) != 0`` for a budget traced
     from the sequence), which a ``torch.export`` ``Dim`` cannot satisfy.
     """
+    if values.shape[1] == 0:
+        return _nothing_to_read(values, index, fill)
     valid = index >= 0
     expanded = _trailing(index.clamp_min(0), values).expand(*index.shape, *values.shape[2:])
     return values.gather(1, expanded).masked_fill(~_trailing(valid, values), fill)
@@ -310,6 +322,8 @@ def _gather_rows(values: torch.Tensor, index: torch.Tensor, fill: float) -> torc
 def _gather_rows_eager(values: torch.Tensor, index: torch.Tensor, fill: float) -> torch.Tensor:
     """:func:`_gather_rows` as one flat row gather: a contiguous copy per token row, faster in eager."""
     batch, source = values.shape[:2]
+    if source == 0:
+        return _nothing_to_read(values, index, fill)
     offsets = torch.arange(batch, device=index.device).unsqueeze(1) * source
     flat = (index.clamp_min(0) + offsets).reshape(-1)
     gathered = values.flatten(0, 1).index_select(0, flat).unflatten(0, tuple(index.shape))

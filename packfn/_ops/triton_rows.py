@@ -138,6 +138,13 @@ def _running_sum(values):
 
 
 @triton.jit
+def _clamped(value, sequence):
+    """``value`` clamped to ``[0, sequence + 1]`` in int64, as the aten bodies clamp a length (``sequence + 1`` in
+    the int32 Triton takes ``sequence`` as would wrap at ``2**31 - 1``)."""
+    return tl.minimum(tl.maximum(value, 0), tl.full((), 0, tl.int64) + sequence + 1)
+
+
+@triton.jit
 def _top_two(first_a, second_a, first_b, second_b):
     # The two largest of a multiset, merged: associative, so a scan can use it.
     return tl.maximum(first_a, first_b), tl.maximum(tl.minimum(first_a, first_b), tl.maximum(second_a, second_b))
@@ -819,7 +826,7 @@ def _length_rows(lengths, ends, ids, stats, width, sequence, BLOCK: tl.constexpr
         slot = begin + tl.arange(0, BLOCK)
         length = tl.load(lengths + slot, mask=slot < width, other=0).to(tl.int64)
         negative = tl.maximum(negative, tl.max((length < 0).to(tl.int64), 0))
-        end = total + _running_sum(tl.minimum(tl.maximum(length, 0), sequence + 1))
+        end = total + _running_sum(_clamped(length, sequence))
         tl.store(ends + slot, end, mask=slot < width)
         total = tl.max(end, 0)  # the slots past the row add 0
     tl.debug_barrier()  # the row's ends, stored by all of this program's threads, before any thread reads them
@@ -1343,8 +1350,8 @@ def _layout_rows(
         count = tl.load(lengths + slot, mask=inside, other=0).to(tl.int64)
         span = tl.load(spans + slot, mask=inside, other=0).to(tl.int64)
         present = count != 0
-        real = tl.minimum(tl.maximum(count, 0), sequence + 1)
-        kept = tl.where(present, tl.minimum(tl.maximum(span, 0), sequence + 1), 0)
+        real = _clamped(count, sequence)
+        kept = tl.where(present, _clamped(span, sequence), 0)
         input_end = input_total + _running_sum(kept)
         aligned_end = aligned_total + _running_sum((real + alignment - 1) // alignment * alignment)
         tl.store(input_ends + slot, input_end, mask=inside)
@@ -1368,7 +1375,7 @@ def _layout_rows(
         source = tl.load(input_ends + slot - 1, mask=inside & (slot > 0), other=0)
         real = tl.load(lengths + slot, mask=inside & (slot < width), other=0).to(tl.int64)
         offset = column - start
-        outside = offset >= tl.minimum(tl.maximum(real, 0), sequence + 1)
+        outside = offset >= _clamped(real, sequence)
         tl.store(sources + column, tl.where(outside, -1, source + offset), mask=inside)
         tl.store(positions + column, tl.where(outside, 0, offset), mask=inside)
         tl.store(sequences + column, tl.where(outside, 0, slot + 1), mask=inside)
@@ -1378,8 +1385,7 @@ def _layout_rows(
         slot = _at_or_before(input_ends, width, zero, zero, zero, column, TABLE=False)
         start = tl.load(input_ends + slot - 1, mask=inside & (slot > 0), other=0)
         target = tl.load(aligned_ends + slot - 1, mask=inside & (slot > 0), other=0)
-        real = tl.load(lengths + slot, mask=inside & (slot < width), other=0).to(tl.int64)
-        real = tl.minimum(tl.maximum(real, 0), sequence + 1)
+        real = _clamped(tl.load(lengths + slot, mask=inside & (slot < width), other=0).to(tl.int64), sequence)
         tl.store(inputs + column, tl.where(column < start + real, column - start + target, -1), mask=inside)
     tl.store(stats + row * 2, first)
     tl.store(stats + row * 2 + 1, aligned_total)

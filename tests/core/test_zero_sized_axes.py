@@ -25,3 +25,18 @@ def test_zero_sized_trailing_axes_round_trip(trailing, compiled):
     values = torch.randn(2, 6, *trailing)
     for result in function(DOCUMENT_IDS, values):
         assert result.shape == values.shape
+
+
+@pytest.mark.parametrize("trailing", [(), (3,), (0,)])
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_rows_of_no_columns_pack_to_the_fill_and_restore_to_nothing(trailing, compiled):
+    """``sequence_length=0``: no token to read, so every aligned column is the fill (a gather from the empty axis
+    raised IndexError); restore, and pack's gradient, give rows of no columns."""
+    layout = packfn.aligned_layout(torch.zeros(2, 1, dtype=torch.int64), sequence_length=0, alignment=2, budget=4)
+    pack = torch.compile(layout.pack, fullgraph=True) if compiled else layout.pack
+    values = torch.zeros(2, 0, *trailing, requires_grad=True)
+    packed = pack(values, fill=-3.0)
+    assert torch.equal(packed, torch.full((2, 4, *trailing), -3.0))
+    (gradient,) = torch.autograd.grad(packed.sum(), values)
+    assert gradient.shape == values.shape
+    assert layout.restore(packed).shape == values.shape

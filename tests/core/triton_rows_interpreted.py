@@ -19,6 +19,8 @@ from unittest import mock
 import pytest
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 from torch.library import wrap_triton
@@ -653,6 +655,22 @@ LAYOUT_CASES = {
     "rows that fill the input row": ([[3, 4], [7, 0]], [[3, 4], [7, 0]], 7, 1, 7),
     "a row's first broken document, not its worst": ([[-1] + [1] * 9 + [3]], [[-1] + [1] * 9 + [2]], 16, 1, 16),
 }  # fmt: skip
+
+
+@triton.jit
+def _clamp(values, clamped, sequence, BLOCK: tl.constexpr):
+    column = tl.arange(0, BLOCK)
+    tl.store(clamped + column, triton_rows._clamped(tl.load(values + column).to(tl.int64), sequence))
+
+
+def test_lengths_clamp_at_int32s_widest_row():
+    """Triton takes a row length below 2**31 as int32, where ``sequence + 1`` wraps: the clamp of every length
+    (``_length_rows``, ``_layout_rows``) is taken in int64 (at ``2**31 - 1`` every length became ``-2**31``)."""
+    values = torch.tensor([5, -3, 2**31 - 1, 0], dtype=torch.int32)
+    for sequence in (2**31 - 1, 2**31 - 2, 4):
+        clamped = torch.empty(4, dtype=torch.int64)
+        _clamp[(1,)](values, clamped, sequence, BLOCK=4)
+        assert_same(clamped, values.to(torch.int64).clamp(0, sequence + 1))
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
