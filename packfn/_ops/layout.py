@@ -9,6 +9,7 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from packfn._ops._registry import Rule, named_value, packfn_op
 from packfn._ops.metadata import search_running_sums
@@ -296,9 +297,9 @@ def _trailing(mask: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
 def _nothing_to_read(values: torch.Tensor, index: torch.Tensor, fill: float) -> torch.Tensor:
     """What :func:`_gather_rows` gives from rows of no columns (every index -1): ``fill`` throughout.
 
-    Gathering from an empty axis fails however the index is masked; a size,
-    not a value, decides (dynamic shapes specialize 0), so the branch adds
-    no guard.
+    Gathering from an empty axis fails however the index is masked. Only a
+    size known to be 0 takes this branch (dynamic shapes specialize 0), so it
+    adds no guard: a size read from data (the drop-ins' packed rows) gathers.
     """
     return values.new_full((*index.shape, *values.shape[2:]), fill)
 
@@ -312,7 +313,7 @@ def _gather_rows(values: torch.Tensor, index: torch.Tensor, fill: float) -> torc
     product's divisibility (``2 % (2 * budget) != 0`` for a budget traced
     from the sequence), which a ``torch.export`` ``Dim`` cannot satisfy.
     """
-    if values.shape[1] == 0:
+    if statically_known_true(values.shape[1] == 0):
         return _nothing_to_read(values, index, fill)
     valid = index >= 0
     expanded = _trailing(index.clamp_min(0), values).expand(*index.shape, *values.shape[2:])
